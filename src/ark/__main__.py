@@ -1,0 +1,5 @@
+import sys
+
+from ark.cli import main
+
+sys.exit(main())

@@ -1,0 +1,119 @@
+"""Benchmarks: the controller's costs and the reproduction's wall time (data, no printing)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ark.config import ExperimentConfig
+from ark.hashing import get_model
+from ark.messages import Reserve, encode
+from ark.pathmap import ROCE_PORT_RANGE, compute_buckets
+from ark.protocol import ArkCore
+from ark.simulator import PathMapCache
+from ark.topology import spine_leaf
+
+# The paper's controller costs (Intel i9, one thread), for side-by-side reporting.
+PAPER = {
+    "precompute_ms_per_peer": 326.0,
+    "hash_ns_per_port": 4100.0,
+    "lookup_us": 0.87,
+    "select_us_k4": 3.48,
+    "select_us_k1000": 870.0,
+}
+
+
+def _best_of(fn: Callable[[], object], repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _per_call_us(fn: Callable[[], object], n: int, repeat: int = 5) -> float:
+    def loop() -> None:
+        for _ in range(n):
+            fn()
+
+    return _best_of(loop, repeat) / n * 1e6
+
+
+def _core_with_busy(spines: int, busy: int) -> tuple[ArkCore, int]:
+    """A core on a 2-leaf fabric with ``spines`` paths, the first ``busy`` reserved."""
+    fab = spine_leaf(leaves=2, spines=spines, gpus_per_leaf=2, hash="crc32", seed=0)
+    maps = PathMapCache(fab, (0, 0xFFFF))
+    core = ArkCore(0, fab, maps, policy="ark")
+    peer = 1  # same leaf as host 0 is host 1; use host 2 on leaf 1 as destination
+    dst = 2
+    for k in range(busy):
+        core.receive(Reserve((peer, k + 1), 0.0, peer, dst + 1, 4791, k, 49152 + k, 10**9, 1e11), 0.0)
+    return core, dst
+
+
+def controller(hash_name: str = "murmur3-hpcc", repeat: int = 7) -> dict[str, Any]:
+    """Per-peer precompute, hashing, path selection and full reserve-decision costs."""
+    src, dst = "10.0.0.1", "10.0.1.1"
+    pre_full = _best_of(lambda: compute_buckets(hash_name, 17, src, dst, 4791, 4, (0, 0xFFFF)), repeat)
+    pre_roce = _best_of(lambda: compute_buckets(hash_name, 17, src, dst, 4791, 4, ROCE_PORT_RANGE), repeat)
+    model = get_model(hash_name)
+    ports = np.arange(65536)
+    vec = _best_of(lambda: model.hash_ports(17, 0x0A000001, 0x0A000101, 4791, ports), repeat)
+    scalar_us = _per_call_us(lambda: model.hash_one(17, 0x0A000001, 0x0A000101, 50000, 4791), 2000)
+
+    core4, d4 = _core_with_busy(4, 3)
+    core1k, d1k = _core_with_busy(1000, 999)
+    sel4 = _per_call_us(lambda: core4.select_path(d4), 20000)
+    sel1k = _per_call_us(lambda: core1k.select_path(d1k), 20000)
+    assert core4.select_path(d4) == 3 and core1k.select_path(d1k) == 999
+
+    # Full decision: select + port + message + wire encoding, then release (not timed).
+    core, dst_host = _core_with_busy(4, 0)
+    samples = []
+    now = 1.0
+    for _ in range(20000):
+        t = time.perf_counter_ns()
+        dec = core.request(dst_host, 10**9, now)
+        for m in dec.messages:
+            encode(m)
+        samples.append(time.perf_counter_ns() - t)
+        core.release(dec.flow, now + 5e-4)
+        core.tick(now)
+        now += 1e-3
+    samples_us = np.asarray(samples[1000:]) / 1e3
+    return {
+        "hash": hash_name,
+        "precompute_ms_per_peer": pre_full * 1e3,
+        "precompute_ms_per_peer_16384": pre_roce * 1e3,
+        "hash_ns_per_port": vec / 65536 * 1e9,
+        "hash_one_us": scalar_us,
+        "select_us_k4": sel4,
+        "select_us_k1000": sel1k,
+        "decision_us_p50": float(np.percentile(samples_us, 50)),
+        "decision_us_p99": float(np.percentile(samples_us, 99)),
+        "paper": PAPER,
+    }
+
+
+def reproduce(cfg: ExperimentConfig, jobs: int) -> dict[str, Any]:
+    """Wall time and simulator events per second of a whole sweep."""
+    from ark.experiment import plan, run_sweep
+
+    t = time.perf_counter()
+    sweep = run_sweep(cfg, jobs=jobs)
+    wall = time.perf_counter() - t
+    events = sum(r["events"] for r in sweep.records)
+    return {
+        "runs": len(plan(cfg)),
+        "requests_per_run": cfg.workload.requests,
+        "jobs": jobs,
+        "cpus": os.cpu_count(),
+        "wall_s": wall,
+        "events": events,
+        "events_per_s": events / wall if wall > 0 else 0.0,
+    }

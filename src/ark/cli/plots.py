@@ -1,0 +1,99 @@
+"""Paper-ready figures from sweep records (CLI layer: the library never plots)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+STYLE = {
+    "ecmp": dict(color="#d62728", marker="o", label="ECMP"),
+    "ark": dict(color="#1f77b4", marker="s", label="ARK"),
+    "ark-balance": dict(color="#2ca02c", marker="^", label="ARK-balance"),
+    "spray": dict(color="#7f7f7f", marker="x", linestyle="--", label="ideal spray"),
+}
+
+
+def _series(records: Sequence[dict[str, Any]], scheme: str, metric: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    by_q: dict[float, list[float]] = {}
+    for r in records:
+        if r["scheme"] == scheme:
+            by_q.setdefault(r["qps"], []).append(r[metric])
+    qs = sorted(by_q)
+    mean = [float(np.mean(by_q[q])) for q in qs]
+    lo = [float(np.min(by_q[q])) for q in qs]
+    hi = [float(np.max(by_q[q])) for q in qs]
+    return qs, mean, lo, hi
+
+
+def _metric_figure(records: Sequence[dict[str, Any]], metrics: Sequence[tuple[str, str]], path: Path, title: str) -> Path:
+    schemes = [s for s in STYLE if any(r["scheme"] == s for r in records)]
+    schemes += sorted({r["scheme"] for r in records} - set(schemes))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.8), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], metrics, strict=True):
+        for s in schemes:
+            qs, mean, lo, hi = _series(records, s, metric)
+            st = dict(STYLE.get(s, dict(label=s)))
+            err = np.array([np.subtract(mean, lo), np.subtract(hi, mean)])
+            ax.errorbar(qs, mean, yerr=err, capsize=3, linewidth=1.6, markersize=5, **st)
+        ax.set_xlabel("load (QPS)")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(frameon=False)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def fct_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
+    return _metric_figure(
+        records,
+        [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p95_s", "P95 KV-transfer FCT (s)")],
+        out / "fct_vs_qps.png",
+        "KV-cache flow completion time (mean over seeds; bars: min-max)",
+    )
+
+
+def ttft_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
+    return _metric_figure(
+        records,
+        [("ttft_mean_s", "mean TTFT (s)"), ("ttft_p95_s", "P95 TTFT (s)")],
+        out / "ttft_vs_qps.png",
+        "Time to first token (mean over seeds; bars: min-max)",
+    )
+
+
+def spine_concurrency(timelines: dict[str, list[tuple[float, tuple[int, ...]]]], qps: float | None, out: Path) -> Path | None:
+    shown = [s for s in ("ecmp", "ark", "ark-balance") if s in timelines]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(len(shown), 1, figsize=(9, 2.6 * len(shown)), sharex=True, sharey=True, squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for ax, s in zip(axes[:, 0], shown, strict=True):
+        tl = timelines[s]
+        if not tl:
+            continue
+        t = np.array([p[0] for p in tl])
+        c = np.array([p[1] for p in tl])
+        for k in range(c.shape[1]):
+            ax.step(t, c[:, k], where="post", linewidth=0.9, color=colors(k), label=f"spine {k + 1}")
+        ax.set_ylabel("concurrent flows")
+        ax.set_title(f"{STYLE.get(s, {}).get('label', s)}: max per spine {c.max(axis=0).tolist()}", fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0, 0].legend(ncol=4, frameon=False, fontsize=8, loc="upper left")
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.suptitle(f"KV flows on each spine over time at QPS {qps:g}" if qps is not None else "KV flows per spine")
+    fig.tight_layout()
+    path = out / "spine_concurrency.png"
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path

@@ -1,0 +1,251 @@
+"""Sweeps of (scheme, QPS, seed) runs and their result records.
+
+Each (QPS, seed) pair fixes one workload that every scheme sees (common random numbers),
+so scheme differences are not workload noise. Records are plain dicts with a fixed key
+order; ``write_results`` serialises them deterministically.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ark.config import ExperimentConfig
+from ark.simulator import FlowSpec, FluidSim, PathMapCache
+from ark.topology import Fabric
+from ark.workload import Request, ZipfWorkload, load_trace
+
+RECORD_KEYS = (
+    "scheme", "qps", "seed", "requests", "offered_load", "fct_mean_s", "fct_p50_s", "fct_p95_s",
+    "fct_p99_s", "ttft_mean_s", "ttft_p95_s", "tpot_mean_s", "max_concurrent_per_spine",
+    "races", "fallbacks", "path_mismatches", "control_messages", "events",
+)
+TIMELINE_QPS = 25.0
+
+_PATHMAPS: dict[tuple[Fabric, tuple[int, int]], PathMapCache] = {}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    scheme: str
+    qps: float
+    seed: int
+    record_timeline: bool = False
+
+
+@dataclass
+class RunOutput:
+    record: dict[str, Any]
+    timeline: list[tuple[float, tuple[int, ...]]] | None
+
+
+def _pathmaps(fabric: Fabric, port_range: tuple[int, int]) -> PathMapCache:
+    # Per-process cache: path maps depend only on the fabric, never on the run.
+    key = (fabric, port_range)
+    c = _PATHMAPS.get(key)
+    if c is None:
+        c = _PATHMAPS[key] = PathMapCache(fabric, port_range)
+    return c
+
+
+def _seed_words(seed: int, qps: float) -> list[int]:
+    return [seed, round(qps * 1000)]
+
+
+def workload(cfg: ExperimentConfig, qps: float, seed: int) -> list[Request]:
+    w = cfg.workload
+    if w.trace is not None:
+        # A trace fixes arrivals; ``qps`` rescales them to that mean rate.
+        reqs = load_trace(w.trace, w.rate_scale, limit=w.requests)
+        span = reqs[-1].arrival_s - reqs[0].arrival_s
+        if len(reqs) > 1 and span > 0:
+            scale = (len(reqs) - 1) / span / qps
+            reqs = [Request(r.id, r.arrival_s * scale, r.prefill_tokens, r.decode_tokens) for r in reqs]
+        return reqs
+    rng = np.random.default_rng(_seed_words(seed, qps))
+    return ZipfWorkload(qps, w.requests, w.theta, w.min_tokens, w.max_tokens, w.pd_ratio).generate(rng)
+
+
+def _pct(a: np.ndarray, q: float) -> float:
+    return float(np.percentile(a, q)) if len(a) else math.nan
+
+
+def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
+    """Simulate one (scheme, QPS, seed) and summarise it as a record."""
+    fabric = cfg.fabric.build()
+    serving = cfg.serving.build(cfg.workload.model)
+    reqs = workload(cfg, spec.qps, spec.seed)
+    place_rng = np.random.default_rng(_seed_words(spec.seed, spec.qps) + [1])
+    placed = serving.place(reqs, fabric.role_hosts("prefill"), fabric.role_hosts("decode"), place_rng)
+    flows = [FlowSpec(i, p.prefill_gpu, p.decode_gpu, p.kv_bytes, p.kv_start_s) for i, p in enumerate(placed)]
+    net = cfg.network
+    sim = FluidSim(
+        fabric,
+        spec.scheme,
+        seed=int(np.random.SeedSequence(_seed_words(spec.seed, spec.qps) + [2]).generate_state(1)[0]),
+        control_delay_s=net.control_delay_us * 1e-6,
+        control_jitter_s=net.control_jitter_us * 1e-6,
+        dport=net.dport,
+        port_range=net.port_range,
+        pathmaps=_pathmaps(fabric, net.port_range),
+        record_timeline=spec.record_timeline,
+    )
+    res = sim.run(flows)
+    fcts = [f.fct_s for f in res.flows]
+    timing = serving.timings(placed, fcts)
+    fct = np.asarray(fcts)
+    ttft = np.asarray([t.ttft_s for t in timing])
+    tpot = np.asarray([t.tpot_s for t in timing])
+    mean_bytes = float(np.mean([p.kv_bytes for p in placed]))
+    cross = [fabric.n_paths(p.prefill_gpu, p.decode_gpu) > 1 for p in placed]
+    leaves_up = len({fabric.hosts[p.prefill_gpu].leaf for p in placed})
+    # Nominal, as ARK.md defines it: bytes offered over the prefill leaves' uplinks.
+    fabric_bps = fabric.link_bps * fabric.n_spines * max(1, leaves_up)
+    load = spec.qps * mean_bytes * 8 * (sum(cross) / len(cross)) / fabric_bps
+    record = {
+        "scheme": spec.scheme,
+        "qps": spec.qps,
+        "seed": spec.seed,
+        "requests": len(reqs),
+        "offered_load": round(load, 6),
+        "fct_mean_s": float(fct.mean()),
+        "fct_p50_s": _pct(fct, 50),
+        "fct_p95_s": _pct(fct, 95),
+        "fct_p99_s": _pct(fct, 99),
+        "ttft_mean_s": float(ttft.mean()),
+        "ttft_p95_s": _pct(ttft, 95),
+        "tpot_mean_s": float(tpot.mean()),
+        "max_concurrent_per_spine": list(res.max_concurrent_per_spine),
+        "races": res.races,
+        "fallbacks": res.fallbacks,
+        "path_mismatches": res.path_mismatches,
+        "control_messages": res.control_messages,
+        "events": res.events,
+    }
+    return RunOutput(record, res.spine_timeline if spec.record_timeline else None)
+
+
+def plan(cfg: ExperimentConfig) -> list[RunSpec]:
+    """Every run of a sweep; the timeline is recorded at QPS 25 (or the nearest QPS)."""
+    qs = cfg.workload.qps
+    tq = min(qs, key=lambda q: (abs(q - TIMELINE_QPS), q))
+    specs = []
+    for q in qs:
+        for s in cfg.schemes:
+            for i, seed in enumerate(cfg.seeds):
+                specs.append(RunSpec(s, q, seed, record_timeline=(q == tq and i == 0)))
+    return specs
+
+
+def _run_task(args: tuple[ExperimentConfig, RunSpec]) -> RunOutput:
+    return run_one(*args)
+
+
+def iter_sweep(cfg: ExperimentConfig, jobs: int = 1) -> Iterator[tuple[RunSpec, RunOutput]]:
+    """Yield runs as they finish (in completion order with ``jobs`` > 1)."""
+    specs = plan(cfg)
+    if jobs <= 1:
+        for sp in specs:
+            yield sp, run_one(cfg, sp)
+        return
+    # Heaviest (highest QPS) first so the pool's tail is short.
+    order = sorted(specs, key=lambda s: -s.qps)
+    with ProcessPoolExecutor(max_workers=jobs) as ex:
+        futs = {ex.submit(_run_task, (cfg, sp)): sp for sp in order}
+        for fut in as_completed(futs):
+            yield futs[fut], fut.result()
+
+
+@dataclass
+class Sweep:
+    records: list[dict[str, Any]]
+    timelines: dict[str, list[tuple[float, tuple[int, ...]]]]
+    timeline_qps: float | None
+
+
+def run_sweep(
+    cfg: ExperimentConfig,
+    jobs: int = 1,
+    progress: Callable[[RunSpec], None] | None = None,
+) -> Sweep:
+    outs: dict[RunSpec, RunOutput] = {}
+    for sp, out in iter_sweep(cfg, jobs):
+        outs[sp] = out
+        if progress is not None:
+            progress(sp)
+    specs = plan(cfg)
+    records = [outs[sp].record for sp in specs]
+    timelines: dict[str, list[tuple[float, tuple[int, ...]]]] = {}
+    tq = None
+    for sp in specs:
+        tl = outs[sp].timeline
+        if tl is not None:
+            timelines[sp.scheme] = tl
+            tq = sp.qps
+    return Sweep(records, timelines, tq)
+
+
+# ---------------------------------------------------------------------------------------
+# Summaries and files
+# ---------------------------------------------------------------------------------------
+SUMMARY_METRICS = ("fct_mean_s", "fct_p95_s", "ttft_mean_s", "ttft_p95_s")
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Mean over seeds per (QPS, scheme), with the reduction versus ECMP (fraction)."""
+    groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for r in records:
+        groups.setdefault((r["qps"], r["scheme"]), []).append(r)
+    out = []
+    for (q, s), rs in groups.items():
+        row: dict[str, Any] = {"qps": q, "scheme": s, "seeds": len(rs)}
+        for m in SUMMARY_METRICS:
+            row[m] = float(np.mean([r[m] for r in rs]))
+        row["max_concurrent_per_spine"] = [
+            max(r["max_concurrent_per_spine"][k] for r in rs) for k in range(len(rs[0]["max_concurrent_per_spine"]))
+        ]
+        row["races"] = int(sum(r["races"] for r in rs))
+        row["fallbacks"] = int(sum(r["fallbacks"] for r in rs))
+        row["path_mismatches"] = int(sum(r["path_mismatches"] for r in rs))
+        out.append(row)
+    base = {(r["qps"]): r for r in out if r["scheme"] == "ecmp"}
+    for row in out:
+        b = base.get(row["qps"])
+        for m in SUMMARY_METRICS:
+            key = m.replace("_s", "") + "_reduction"
+            row[key] = None if b is None or b[m] == 0 else 1.0 - row[m] / b[m]
+    return out
+
+
+def write_results(out_dir: str | Path, sweep: Sweep, cfg: ExperimentConfig) -> list[Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    recs = [{k: r[k] for k in RECORD_KEYS} for r in sweep.records]
+    paths = [out / "results.json", out / "results.csv"]
+    paths[0].write_text(json.dumps(recs, indent=1) + "\n")
+    with paths[1].open("w", newline="") as fh:
+        wr = csv.writer(fh)
+        wr.writerow(RECORD_KEYS)
+        for r in recs:
+            wr.writerow(
+                [";".join(map(str, r[k])) if isinstance(r[k], list) else r[k] for k in RECORD_KEYS]
+            )
+    if sweep.timelines:
+        p = out / "spine_concurrency.json"
+        p.write_text(
+            json.dumps(
+                {"qps": sweep.timeline_qps, "seed": cfg.seeds[0],
+                 "timelines": {s: [[t, list(c)] for t, c in tl] for s, tl in sweep.timelines.items()}},
+            )
+            + "\n"
+        )
+        paths.append(p)
+    return paths

@@ -1,0 +1,152 @@
+"""Protocol messages and their versioned msgpack wire format.
+
+Wire layout (msgpack array): ``[version, type, owner, seq, ts, ...]``
+
+* RESERVE (type 1): ``[1, 1, owner, seq, ts, src, dst, dport, path, port, nbytes, rate_bps, shared]``
+* RELEASE (type 2): ``[1, 2, owner, seq, ts]``
+
+``(owner, seq)`` is the flow id; the reservation key is ``(ts, owner, seq)``.
+:func:`decode` validates every field and raises :class:`ProtocolError` on anything
+malformed; it never returns a partially valid message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import msgpack
+
+WIRE_VERSION = 1
+T_RESERVE = 1
+T_RELEASE = 2
+MAX_MESSAGE_BYTES = 512
+
+FlowId = tuple[int, int]
+Key = tuple[float, int, int]
+
+_U16 = 0xFFFF
+_U32 = 0xFFFFFFFF
+_U63 = 2**63 - 1
+
+
+class ProtocolError(ValueError):
+    """A peer message that is malformed, out of range or of another version."""
+
+
+class Reserve(NamedTuple):
+    """Owner ``flow[0]`` asks for ``path`` (links implied by the topology) at ``ts``.
+
+    ``shared`` marks an ``ark-balance`` overflow reservation: chosen when no path was free,
+    it shares its links instead of holding them alone.
+    """
+
+    flow: FlowId
+    ts: float
+    src: int
+    dst: int
+    dport: int
+    path: int
+    port: int
+    nbytes: int
+    rate_bps: float
+    shared: bool = False
+
+    @property
+    def key(self) -> Key:
+        return (self.ts, self.flow[0], self.flow[1])
+
+
+class Release(NamedTuple):
+    flow: FlowId
+    ts: float
+
+
+Message = Reserve | Release
+
+
+def encode(msg: Message) -> bytes:
+    if isinstance(msg, Reserve):
+        body = [
+            WIRE_VERSION,
+            T_RESERVE,
+            msg.flow[0],
+            msg.flow[1],
+            float(msg.ts),
+            msg.src,
+            msg.dst,
+            msg.dport,
+            msg.path,
+            msg.port,
+            msg.nbytes,
+            float(msg.rate_bps),
+            bool(msg.shared),
+        ]
+    elif isinstance(msg, Release):
+        body = [WIRE_VERSION, T_RELEASE, msg.flow[0], msg.flow[1], float(msg.ts)]
+    else:
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    out: bytes = msgpack.packb(body, use_bin_type=True)
+    return out
+
+
+def _int(v: object, name: str, hi: int) -> int:
+    if type(v) is not int or not 0 <= v <= hi:
+        raise ProtocolError(f"{name}: expected an integer in 0..{hi}, got {v!r:.40}")
+    return v
+
+
+def _time(v: object, name: str) -> float:
+    if type(v) is not float or not math.isfinite(v) or v < 0:
+        raise ProtocolError(f"{name}: expected a finite float >= 0, got {v!r:.40}")
+    return v
+
+
+def decode(data: bytes) -> Message:
+    """Parse and validate one wire message."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError("message: expected bytes")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message: {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        body = msgpack.unpackb(
+            bytes(data), raw=False, use_list=True, max_array_len=16, max_map_len=0,
+            max_str_len=0, max_bin_len=0, max_ext_len=0, strict_map_key=True,
+        )
+    except Exception as e:  # msgpack raises many types on garbage; all mean malformed
+        raise ProtocolError(f"message: not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(body, list) or len(body) < 5:
+        raise ProtocolError("message: expected an array of at least 5 fields")
+    if body[0] != WIRE_VERSION or type(body[0]) is not int:
+        raise ProtocolError(f"version: expected {WIRE_VERSION}, got {body[0]!r:.40}")
+    mtype = body[1]
+    flow = (_int(body[2], "owner", _U32), _int(body[3], "seq", _U63))
+    ts = _time(body[4], "ts")
+    if mtype == T_RESERVE and type(mtype) is int:
+        if len(body) != 13:
+            raise ProtocolError(f"reserve: expected 13 fields, got {len(body)}")
+        src = _int(body[5], "src", _U32)
+        if src != flow[0]:
+            raise ProtocolError(f"src: reservation by host {flow[0]} for source {src}")
+        rate = body[11]
+        if type(rate) is not float or not math.isfinite(rate) or rate <= 0:
+            raise ProtocolError(f"rate_bps: expected a finite float > 0, got {rate!r:.40}")
+        if type(body[12]) is not bool:
+            raise ProtocolError(f"shared: expected a bool, got {body[12]!r:.40}")
+        return Reserve(
+            flow,
+            ts,
+            src,
+            _int(body[6], "dst", _U32),
+            _int(body[7], "dport", _U16),
+            _int(body[8], "path", _U16),
+            _int(body[9], "port", _U16),
+            _int(body[10], "nbytes", _U63),
+            rate,
+            body[12],
+        )
+    if mtype == T_RELEASE and type(mtype) is int:
+        if len(body) != 5:
+            raise ProtocolError(f"release: expected 5 fields, got {len(body)}")
+        return Release(flow, ts)
+    raise ProtocolError(f"type: expected {T_RESERVE} (reserve) or {T_RELEASE} (release), got {mtype!r:.40}")

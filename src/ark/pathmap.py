@@ -1,0 +1,265 @@
+"""Boot-time path maps M(p_k) and source-port buckets.
+
+A :class:`PathMap` says, for one (source, destination, destination port), which source
+ports the fabric's switches send over each equal-cost path. :class:`PortBuckets` hands
+ports out of a map without giving a port that is still in use towards the same peer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from ark.hashing import get_model, select_many
+from ark.topology import Fabric
+
+ROCE_PORT_RANGE = (0xC000, 0xFFFF)  # ports a RoCEv2 GRH flow label can produce
+FULL_PORT_RANGE = (0, 0xFFFF)
+
+
+class PathMapError(ValueError):
+    """Invalid path-map request or file."""
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """Parse ``LO-HI`` (inclusive) into a checked tuple."""
+    try:
+        lo_s, hi_s = text.split("-")
+        lo, hi = int(lo_s), int(hi_s)
+    except ValueError:
+        raise PathMapError(f"port-range: expected LO-HI with 0 <= LO <= HI <= 65535, got {text!r}") from None
+    check_port_range((lo, hi))
+    return lo, hi
+
+
+def check_port_range(rng: tuple[int, int]) -> None:
+    lo, hi = rng
+    if not (0 <= lo <= hi <= 0xFFFF):
+        raise PathMapError(f"port-range: expected 0 <= LO <= HI <= 65535, got {lo}-{hi}")
+
+
+def _ip_int(ip: str | int, what: str) -> int:
+    if isinstance(ip, int):
+        return ip
+    try:
+        return int(ipaddress.IPv4Address(ip))
+    except ValueError:
+        raise PathMapError(f"{what}: not an IPv4 address: {ip!r}") from None
+
+
+@dataclass(frozen=True)
+class PathMap:
+    """Source ports per path for one (src_ip, dst_ip, dport)."""
+
+    hash: str
+    seed: int
+    selection: str
+    src_ip: str
+    dst_ip: str
+    dport: int
+    port_range: tuple[int, int]
+    buckets: tuple[npt.NDArray[np.int64], ...]
+    proto: int = 17
+    _lookup: npt.NDArray[np.int16] = field(
+        repr=False, compare=False, default_factory=lambda: np.zeros(0, dtype=np.int16)
+    )
+
+    def __post_init__(self) -> None:
+        lo, hi = self.port_range
+        lut = np.full(hi - lo + 1, -1, dtype=np.int16)
+        for k, ports in enumerate(self.buckets):
+            lut[ports - lo] = k
+        object.__setattr__(self, "_lookup", lut)
+
+    @property
+    def paths(self) -> int:
+        return len(self.buckets)
+
+    def path_of(self, port: int) -> int:
+        """The path a source port takes (from the map, not by hashing)."""
+        lo, hi = self.port_range
+        if not lo <= port <= hi:
+            raise PathMapError(f"port {port} outside the map's range {lo}-{hi}")
+        return int(self._lookup[port - lo])
+
+    def counts(self) -> list[int]:
+        return [len(b) for b in self.buckets]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "hash": self.hash,
+            "seed": self.seed,
+            "selection": self.selection,
+            "src": self.src_ip,
+            "dst": self.dst_ip,
+            "dport": self.dport,
+            "proto": self.proto,
+            "port_range": list(self.port_range),
+            "paths": self.paths,
+            "ports": {str(k): b.tolist() for k, b in enumerate(self.buckets)},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> PathMap:
+        try:
+            paths = int(d["paths"])  # type: ignore[call-overload]
+            ports = d["ports"]
+            assert isinstance(ports, dict)
+            buckets = tuple(np.asarray(sorted(ports[str(k)]), dtype=np.int64) for k in range(paths))
+            rng = d.get("port_range")
+            if rng is None:
+                allp = np.concatenate(buckets) if buckets else np.zeros(0, dtype=np.int64)
+                rng = [int(allp.min()), int(allp.max())]
+            pm = cls(
+                hash=str(d["hash"]),
+                seed=int(d["seed"]),  # type: ignore[call-overload]
+                selection=str(d.get("selection", "modulo")),
+                src_ip=str(d["src"]),
+                dst_ip=str(d["dst"]),
+                dport=int(d["dport"]),  # type: ignore[call-overload]
+                port_range=(int(rng[0]), int(rng[1])),  # type: ignore[index]
+                buckets=buckets,
+                proto=int(d.get("proto", 17)),  # type: ignore[call-overload]
+            )
+        except (KeyError, TypeError, ValueError, AssertionError) as e:
+            raise PathMapError(f"path map: malformed ({type(e).__name__}: {e})") from None
+        pm.validate()
+        return pm
+
+    def validate(self) -> None:
+        """Every port of the range in exactly one bucket."""
+        lo, hi = self.port_range
+        allp = np.concatenate(self.buckets) if self.buckets else np.zeros(0, dtype=np.int64)
+        if len(allp) != hi - lo + 1 or not np.array_equal(np.sort(allp), np.arange(lo, hi + 1)):
+            raise PathMapError("path map: buckets do not partition the port range")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> PathMap:
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PathMapError(f"path map {path}: {e}") from None
+        if not isinstance(d, dict):
+            raise PathMapError(f"path map {path}: expected a JSON object")
+        return cls.from_dict(d)
+
+
+def compute_buckets(
+    hash_name: str,
+    seed: int,
+    src_ip: str | int,
+    dst_ip: str | int,
+    dport: int,
+    paths: int,
+    port_range: tuple[int, int] = ROCE_PORT_RANGE,
+    selection: str = "modulo",
+    proto: int = 17,
+) -> PathMap:
+    """Hash every source port of ``port_range`` and bucket it by next-hop member."""
+    model = get_model(hash_name)
+    check_port_range(port_range)
+    if paths < 1:
+        raise PathMapError(f"paths: must be >= 1, got {paths}")
+    if not 0 <= dport <= 0xFFFF:
+        raise PathMapError(f"dport: must be 0..65535, got {dport}")
+    if not 0 <= seed < 2**32:
+        raise PathMapError(f"seed: must be 0..4294967295, got {seed}")
+    s, d = _ip_int(src_ip, "src"), _ip_int(dst_ip, "dst")
+    lo, hi = port_range
+    ports = np.arange(lo, hi + 1, dtype=np.int64)
+    member = select_many(model.hash_ports(seed, s, d, dport, ports, proto), paths, selection, model.bits)
+    buckets = tuple(ports[member == k] for k in range(paths))
+    return PathMap(
+        hash_name,
+        seed,
+        selection,
+        str(ipaddress.IPv4Address(s)),
+        str(ipaddress.IPv4Address(d)),
+        dport,
+        port_range,
+        buckets,
+        proto,
+    )
+
+
+def fabric_pathmap(
+    fabric: Fabric,
+    src: int,
+    dst: int,
+    dport: int = 4791,
+    port_range: tuple[int, int] = ROCE_PORT_RANGE,
+    proto: int = 17,
+) -> PathMap:
+    """The path map for host ``src`` -> host ``dst`` over ``fabric``.
+
+    In a 2-tier Clos only the source leaf has a choice (spine ``k`` = path ``k``); the
+    spine has one link down to the destination leaf.
+    """
+    sw = fabric.source_switch(src)
+    return compute_buckets(
+        sw.hash,
+        sw.seed,
+        fabric.hosts[src].ip,
+        fabric.hosts[dst].ip,
+        dport,
+        fabric.n_paths(src, dst),
+        port_range,
+        sw.selection,
+        proto,
+    )
+
+
+def switch_path(fabric: Fabric, src: int, dst: int, sport: int, dport: int, proto: int = 17) -> int:
+    """The path the simulated switch picks for one packet, hashing its exact key bytes."""
+    from ark.hashing import select
+
+    n = fabric.n_paths(src, dst)
+    if n == 1:
+        return 0
+    sw = fabric.source_switch(src)
+    model = get_model(sw.hash)
+    h = model.hash_one(sw.seed, fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int, sport, dport, proto)
+    return select(h, n, sw.selection, model.bits)
+
+
+class PortBuckets:
+    """Hands out source ports per path, never one still in use towards this peer.
+
+    Each path's bucket is walked round-robin from a cursor, so consecutive flows get
+    different ports even after release (a NIC or switch may still hold state for the
+    previous one).
+    """
+
+    def __init__(self, pathmap: PathMap) -> None:
+        self.map = pathmap
+        self._lists: list[list[int]] = [b.tolist() for b in pathmap.buckets]  # list indexing beats numpy's
+        self._cursor = [0] * pathmap.paths
+        self.in_use: set[int] = set()
+
+    def take(self, path: int) -> int:
+        bucket = self._lists[path]
+        n = len(bucket)
+        if n == 0:
+            raise PathMapError(f"path {path}: no source port in range maps to it")
+        c = self._cursor[path]
+        for i in range(n):
+            port: int = bucket[(c + i) % n]
+            if port not in self.in_use:
+                self._cursor[path] = (c + i + 1) % n
+                self.in_use.add(port)
+                return port
+        raise PathMapError(f"path {path}: all {n} source ports are in use")
+
+    def claim(self, port: int) -> None:
+        self.in_use.add(port)
+
+    def give(self, port: int) -> None:
+        self.in_use.discard(port)

@@ -1,0 +1,296 @@
+"""Fabric descriptions: hosts, switches and directed links of a 2-tier spine-leaf.
+
+A :class:`Fabric` only *describes* a network (like mininet's ``Topo``); the fluid
+simulator, the namespace testbed and a real cluster file each realise it.
+
+Link numbering is fixed so that every realisation agrees on link ids:
+
+* ``0 .. H-1``            host ``h`` -> its leaf (NIC transmit)
+* ``H .. 2H-1``           leaf -> host ``h`` (NIC receive)
+* ``2H + a*S + k``        leaf ``a`` -> spine ``k`` (uplink)
+* ``2H + L*S + k*L + b``  spine ``k`` -> leaf ``b`` (downlink)
+
+Only leaf-spine links are *reservable*: they are the links an ECMP decision chooses
+between. Host NIC links are shared by every path of a host, so reserving them would make
+a second flow from the same GPU find no free path at all.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+
+HASH_SELECTIONS = ("modulo", "threshold")
+ROLES = ("prefill", "decode", "none")
+
+# Goodput / line-rate per transport: payload / (payload + per-packet wire overhead).
+# Wire overhead counts preamble+SFD (8), Ethernet header (14), FCS (4), inter-frame gap (12).
+# RoCEv2 adds IPv4 (20) + UDP (8) + BTH (12) + ICRC (4); TCP adds IPv4 (20) + TCP with
+# timestamps (32) inside a 1500-byte MTU.
+TRANSPORTS: dict[str, float] = {
+    "rocev2-4096": 4096 / (4096 + 38 + 44),
+    "rocev2-1024": 1024 / (1024 + 38 + 44),
+    "tcp-1500": 1448 / (1500 + 38),
+    "ideal": 1.0,
+}
+
+
+class TopologyError(ValueError):
+    """A fabric description that cannot be built."""
+
+
+@dataclass(frozen=True)
+class Host:
+    index: int
+    name: str
+    ip: str
+    leaf: int
+    nic_bps: float
+    role: str
+    node_id: int
+
+    @property
+    def ip_int(self) -> int:
+        return int(ipaddress.IPv4Address(self.ip))
+
+
+@dataclass(frozen=True)
+class Switch:
+    kind: str  # "leaf" or "spine"
+    index: int
+    name: str
+    node_id: int
+    hash: str
+    seed: int
+    selection: str
+
+
+@dataclass(frozen=True)
+class Link:
+    id: int
+    src: str
+    dst: str
+    capacity_bps: float
+    kind: str  # host-up, host-down, uplink, downlink
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """A 2-tier spine-leaf fabric.
+
+    ``efficiency`` is payload goodput over line rate (see :data:`TRANSPORTS`); every link
+    carries ``capacity_bps * efficiency`` bits of payload per second.
+    """
+
+    hosts: tuple[Host, ...]
+    leaves: tuple[Switch, ...]
+    spines: tuple[Switch, ...]
+    link_bps: float
+    transport: str = "rocev2-4096"
+    links: tuple[Link, ...] = field(default=(), compare=False)
+
+    @property
+    def efficiency(self) -> float:
+        return TRANSPORTS[self.transport]
+
+    @property
+    def n_hosts(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def n_spines(self) -> int:
+        return len(self.spines)
+
+    @property
+    def n_leaves(self) -> int:
+        return len(self.leaves)
+
+    @property
+    def n_links(self) -> int:
+        return 2 * self.n_hosts + 2 * self.n_leaves * self.n_spines
+
+    # ---- link ids -------------------------------------------------------------------
+    def tx_link(self, host: int) -> int:
+        return host
+
+    def rx_link(self, host: int) -> int:
+        return self.n_hosts + host
+
+    def uplink(self, leaf: int, spine: int) -> int:
+        return 2 * self.n_hosts + leaf * self.n_spines + spine
+
+    def downlink(self, spine: int, leaf: int) -> int:
+        return 2 * self.n_hosts + self.n_leaves * self.n_spines + spine * self.n_leaves + leaf
+
+    def spine_of_link(self, link: int) -> int | None:
+        """The spine a leaf-spine link touches, or None for a host link."""
+        base = 2 * self.n_hosts
+        if link < base:
+            return None
+        off = link - base
+        per = self.n_leaves * self.n_spines
+        if off < per:
+            return off % self.n_spines
+        return (off - per) // self.n_leaves
+
+    # ---- lookups -------------------------------------------------------------------
+    def host_by_name(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise TopologyError(f"unknown host {name!r}")
+
+    def host_by_ip(self, ip: str) -> Host:
+        for h in self.hosts:
+            if h.ip == ip:
+                return h
+        raise TopologyError(f"no host has ip {ip!r}")
+
+    def role_hosts(self, role: str) -> tuple[int, ...]:
+        return tuple(h.index for h in self.hosts if h.role == role)
+
+    # ---- paths ---------------------------------------------------------------------
+    def stages(self, src: int, dst: int) -> tuple[tuple[int, ...], ...]:
+        """Reservable links of every equal-cost path from host ``src`` to ``dst``.
+
+        Returns one tuple per hop stage, indexed by path: path ``k`` uses
+        ``stage[k]`` of every stage. Intra-leaf traffic crosses no reservable link and
+        has no stages (one path).
+        """
+        a, b = self.hosts[src].leaf, self.hosts[dst].leaf
+        if a == b:
+            return ()
+        ups = tuple(self.uplink(a, k) for k in range(self.n_spines))
+        downs = tuple(self.downlink(k, b) for k in range(self.n_spines))
+        return (ups, downs)
+
+    def n_paths(self, src: int, dst: int) -> int:
+        return 1 if self.hosts[src].leaf == self.hosts[dst].leaf else self.n_spines
+
+    def path_links(self, src: int, dst: int, path: int) -> tuple[int, ...]:
+        """Every directed link (NICs included) a flow on ``path`` crosses."""
+        mid = tuple(stage[path] for stage in self.stages(src, dst))
+        return (self.tx_link(src), *mid, self.rx_link(dst))
+
+    def path_rate_bps(self, src: int, dst: int, path: int) -> float:
+        """Payload rate of a lone flow on ``path``."""
+        caps = [self.links[lk].capacity_bps for lk in self.path_links(src, dst, path)]
+        return min(caps) * self.efficiency
+
+    def source_switch(self, src: int) -> Switch:
+        """The switch whose ECMP decision picks the path for flows leaving ``src``."""
+        return self.leaves[self.hosts[src].leaf]
+
+
+def spine_leaf(
+    *,
+    leaves: int = 2,
+    spines: int = 4,
+    gpus_per_leaf: int = 8,
+    link_gbps: float = 100.0,
+    nic_gbps: float = 100.0,
+    hash: str = "murmur3-hpcc",
+    seed: int | None = None,
+    selection: str = "modulo",
+    transport: str = "rocev2-4096",
+    prefill_leaves: tuple[int, ...] | None = None,
+    decode_leaves: tuple[int, ...] | None = None,
+    subnet: str = "10.0.0.0/8",
+) -> Fabric:
+    """Build a 2-tier spine-leaf fabric.
+
+    Node ids follow ns-3's convention (hosts first, then leaves, then spines). When
+    ``seed`` is None each switch hashes with its node id as seed, as the HPCC/AstraSim
+    switch does; otherwise every switch uses ``seed``. Host ``i`` of leaf ``a`` gets the
+    address ``<subnet base> + a*256 + i + 1``. By default prefill GPUs sit on the first
+    half of the leaves and decode GPUs on the rest (the paper: leaf 0 / leaf 1).
+    """
+    from ark.hashing import HASH_MODELS  # local import: hashing does not need topology
+
+    if leaves < 1:
+        raise TopologyError(f"fabric.leaves: must be >= 1, got {leaves}")
+    if spines < 1:
+        raise TopologyError(f"fabric.spines: must be >= 1, got {spines}")
+    if gpus_per_leaf < 1 or gpus_per_leaf > 250:
+        raise TopologyError(f"fabric.gpus_per_leaf: must be 1..250, got {gpus_per_leaf}")
+    if link_gbps <= 0:
+        raise TopologyError(f"fabric.link_gbps: must be > 0, got {link_gbps}")
+    if nic_gbps <= 0:
+        raise TopologyError(f"fabric.nic_gbps: must be > 0, got {nic_gbps}")
+    if hash not in HASH_MODELS:
+        raise TopologyError(f"fabric.hash: must be one of {', '.join(HASH_MODELS)}; got {hash!r}")
+    if selection not in HASH_SELECTIONS:
+        raise TopologyError(
+            f"fabric.selection: must be one of {', '.join(HASH_SELECTIONS)}; got {selection!r}"
+        )
+    if transport not in TRANSPORTS:
+        raise TopologyError(
+            f"fabric.transport: must be one of {', '.join(TRANSPORTS)}; got {transport!r}"
+        )
+    if seed is not None and not 0 <= seed < 2**32:
+        raise TopologyError(f"fabric.seed: must be 0..4294967295, got {seed}")
+    if prefill_leaves is None:
+        prefill_leaves = tuple(range(max(1, leaves // 2)))
+    if decode_leaves is None:
+        decode_leaves = tuple(range(leaves // 2, leaves)) if leaves > 1 else (0,)
+    for name, group in (("prefill_leaves", prefill_leaves), ("decode_leaves", decode_leaves)):
+        for leaf in group:
+            if not 0 <= leaf < leaves:
+                raise TopologyError(f"fabric.{name}: leaf {leaf} outside 0..{leaves - 1}")
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError as e:
+        raise TopologyError(f"fabric.subnet: not an IPv4 network: {subnet!r}") from e
+    if net.num_addresses < leaves * 256:
+        raise TopologyError(f"fabric.subnet: {subnet} too small for {leaves} leaves")
+
+    hosts = []
+    for a in range(leaves):
+        for i in range(gpus_per_leaf):
+            idx = a * gpus_per_leaf + i
+            role = (
+                "prefill" if a in prefill_leaves else "decode" if a in decode_leaves else "none"
+            )
+            if a in prefill_leaves and a in decode_leaves:
+                # A leaf in both groups alternates roles so each pool gets GPUs there.
+                role = "prefill" if i % 2 == 0 else "decode"
+            ip = str(net.network_address + a * 256 + i + 1)
+            hosts.append(Host(idx, f"gpu{idx}", ip, a, nic_gbps * 1e9, role, idx))
+    nid = len(hosts)
+    leaf_sw = tuple(
+        Switch("leaf", a, f"leaf{a}", nid + a, hash, nid + a if seed is None else seed, selection)
+        for a in range(leaves)
+    )
+    nid += leaves
+    spine_sw = tuple(
+        Switch("spine", k, f"spine{k}", nid + k, hash, nid + k if seed is None else seed, selection)
+        for k in range(spines)
+    )
+    fab = Fabric(tuple(hosts), leaf_sw, spine_sw, link_gbps * 1e9, transport)
+    links: list[Link] = []
+    for h in hosts:
+        links.append(Link(fab.tx_link(h.index), h.name, f"leaf{h.leaf}", h.nic_bps, "host-up"))
+    for h in hosts:
+        links.append(Link(fab.rx_link(h.index), f"leaf{h.leaf}", h.name, h.nic_bps, "host-down"))
+    for a in range(leaves):
+        for k in range(spines):
+            links.append(Link(fab.uplink(a, k), f"leaf{a}", f"spine{k}", link_gbps * 1e9, "uplink"))
+    for k in range(spines):
+        for b in range(leaves):
+            links.append(
+                Link(fab.downlink(k, b), f"spine{k}", f"leaf{b}", link_gbps * 1e9, "downlink")
+            )
+    assert [lk.id for lk in links] == list(range(len(links)))
+    return Fabric(fab.hosts, fab.leaves, fab.spines, fab.link_bps, transport, tuple(links))
+
+
+PRESETS = {
+    "paper": dict(leaves=2, spines=4, gpus_per_leaf=8, link_gbps=100.0, nic_gbps=100.0),
+}
+
+
+def preset(name: str) -> Fabric:
+    """A named fabric; ``paper`` is the published 2-leaf, 4-spine, 16-GPU fabric."""
+    if name not in PRESETS:
+        raise TopologyError(f"fabric.preset: must be one of {', '.join(PRESETS)}; got {name!r}")
+    return spine_leaf(**PRESETS[name])  # type: ignore[arg-type]

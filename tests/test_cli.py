@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def ark(*args: str, cwd=None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ark", *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def one_line_error(p: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert p.returncode != 0
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("ark: error:")
+    assert "Traceback" not in p.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["reproduce", "--qps", "1,x"], ["--qps"]),
+        (["reproduce", "--qps", "-3"], ["--qps"]),
+        (["reproduce", "--schemes", "ecmp,conga"], ["--schemes", "ark-balance"]),
+        (["reproduce", "--seeds", "0"], ["--seeds"]),
+        (["reproduce", "--requests", "0"], ["--requests"]),
+        (["reproduce", "--bogus"], ["--bogus"]),
+        (["simulate"], ["--config"]),
+        (["simulate", "--config", "/nonexistent.toml"], ["config", "/nonexistent.toml"]),
+        (["pathmap", "--hash", "md5", "--src", "10.0.0.1", "--dst", "10.0.1.1", "--paths", "4"], ["--hash", "crc32"]),
+        (["pathmap", "--hash", "crc32", "--src", "10.0.0.999", "--dst", "10.0.1.1", "--paths", "4"], ["src"]),
+        (["pathmap", "--hash", "crc32", "--src", "10.0.0.1", "--dst", "10.0.1.1", "--paths", "4", "--port-range", "5-1"], ["--port-range"]),
+        (["nosuch"], ["nosuch"]),
+    ],
+)
+def test_bad_options_one_line_error(args: list[str], needles: list[str]) -> None:
+    one_line_error(ark(*args), *needles)
+
+
+def test_bad_config_file_one_line_error(tmp_path) -> None:
+    f = tmp_path / "bad.toml"
+    f.write_text("[fabric]\nspines = -1\n")
+    one_line_error(ark("simulate", "--config", str(f)), "fabric.spines")
+    f.write_text("[workload]\nqps = [1, 'a']\n")
+    one_line_error(ark("reproduce", "--config", str(f)), "workload.qps")
+
+
+def test_pathmap_json_format() -> None:
+    p = ark("pathmap", "--hash", "murmur3-hpcc", "--seed", "16", "--src", "10.0.0.1", "--dst", "10.0.1.1",
+            "--paths", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["hash"] == "murmur3-hpcc" and d["seed"] == 16 and d["paths"] == 4
+    ports = sorted(x for k in ("0", "1", "2", "3") for x in d["ports"][k])
+    assert ports == list(range(49152, 65536))
+    t = ark("pathmap", "--hash", "crc32", "--src", "10.0.0.1", "--dst", "10.0.1.1", "--paths", "2", "--port-range", "0-65535")
+    assert t.returncode == 0 and "path" in t.stdout
+
+
+def test_reproduce_writes_results_and_plots(tmp_path) -> None:
+    out = tmp_path / "res"
+    p = ark("reproduce", "--qps", "5,25", "--requests", "80", "--seeds", "1", "--jobs", "1", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "ARK vs ECMP" in p.stdout and "ark-balance" in p.stdout
+    for name in ("results.json", "results.csv", "fct_vs_qps.png", "ttft_vs_qps.png", "spine_concurrency.png"):
+        assert (out / name).stat().st_size > 0, name
+    recs = json.loads((out / "results.json").read_text())
+    assert len(recs) == 8
+    csv_lines = (out / "results.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("scheme,qps,seed,requests") and len(csv_lines) == 9
+    assert (out / "fct_vs_qps.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_json(tmp_path) -> None:
+    f = tmp_path / "s.toml"
+    f.write_text('[workload]\nqps = 20\nrequests = 60\n[experiment]\nschemes = ["ecmp", "ark"]\nseeds = 1\n')
+    p = ark("simulate", "--config", str(f), "--out", str(tmp_path / "o"), "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert {r["scheme"] for r in d["summary"]} == {"ecmp", "ark"}
+
+
+def test_bench_controller_json() -> None:
+    p = ark("bench", "controller", "--json", "--hash", "crc32")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    for k in ("precompute_ms_per_peer", "hash_ns_per_port", "select_us_k4", "select_us_k1000",
+              "decision_us_p50", "decision_us_p99"):
+        assert d[k] > 0
