@@ -80,8 +80,7 @@ class WorkloadConfig:
     min_tokens: int = 1024
     max_tokens: int = 55_000
     pd_ratio: float = 20.0
-    trace: str | None = None
-    rate_scale: float = 1.0
+    trace: str | None = None  # replayed, its arrivals rescaled to each QPS of the sweep
 
 
 @dataclass(frozen=True)
@@ -158,8 +157,6 @@ class ExperimentConfig:
             raise ConfigError("workload.min_tokens: must be >= 1 and <= workload.max_tokens")
         if w.pd_ratio < 0:
             raise ConfigError(f"workload.pd_ratio: must be >= 0; got {w.pd_ratio}")
-        if not w.rate_scale > 0:
-            raise ConfigError(f"workload.rate_scale: must be > 0; got {w.rate_scale}")
         try:
             self.serving.build(w.model)
         except WorkloadError as e:
@@ -227,7 +224,7 @@ _FABRIC_KEYS = (
     "selection", "transport", "prefill_leaves", "decode_leaves",
 )
 _WORKLOAD_KEYS = (
-    "model", "requests", "qps", "theta", "min_tokens", "max_tokens", "pd_ratio", "trace", "rate_scale",
+    "model", "requests", "qps", "theta", "min_tokens", "max_tokens", "pd_ratio", "trace",
 )
 _SERVING_KEYS = (
     "mode", "gpu", "tp", "placement", "decode_slots", "prefill_base_ms", "prefill_per_token_ms",
@@ -287,7 +284,6 @@ def from_dict(d: dict[str, Any], base_dir: Path | None = None) -> ExperimentConf
         max_tokens=_num(w.get("max_tokens", 55_000), "workload.max_tokens", int),
         pd_ratio=_num(w.get("pd_ratio", 20.0), "workload.pd_ratio"),
         trace=trace,
-        rate_scale=_num(w.get("rate_scale", 1.0), "workload.rate_scale"),
     )
     s = _check_keys("serving", d.get("serving", {}), _SERVING_KEYS)
 

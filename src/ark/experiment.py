@@ -64,7 +64,7 @@ def workload(cfg: ExperimentConfig, qps: float, seed: int) -> list[Request]:
     w = cfg.workload
     if w.trace is not None:
         # A trace fixes arrivals; ``qps`` rescales them to that mean rate.
-        reqs = load_trace(w.trace, w.rate_scale, limit=w.requests)
+        reqs = load_trace(w.trace, limit=w.requests)
         span = reqs[-1].arrival_s - reqs[0].arrival_s
         if len(reqs) > 1 and span > 0:
             scale = (len(reqs) - 1) / span / qps

@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import random
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ark.messages import MAX_MESSAGE_BYTES, ProtocolError, Release, Reserve, decode, encode
+
+RES = Reserve((3, 17), 12.5, 3, 9, 4791, 2, 50123, 1_700_000_000, 98e9, False)
+REL = Release((3, 17), 13.25)
+
+
+def test_roundtrip() -> None:
+    for m in (RES, REL, RES._replace(shared=True)):
+        assert decode(encode(m)) == m
+        assert type(decode(encode(m))) is type(m)
+    assert len(encode(RES)) < 64
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ([2, 1, 3, 17, 12.5], "version"),
+        ([1, 9, 3, 17, 12.5], "type"),
+        ([1, 2, 3, 17, 12.5, 0], "release: expected 5 fields"),
+        ([1, 2, -3, 17, 12.5], "owner"),
+        ([1, 2, 3, 17, float("nan")], "ts"),
+        ([1, 2, 3, 17, 5], "ts"),  # an int where a float belongs
+        ([1, 1, 3, 17, 12.5, 4, 9, 4791, 2, 50123, 10, 1e9, False], "src"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 70000, 2, 50123, 10, 1e9, False], "dport"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 0.0, False], "rate_bps"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 1e9, 1], "shared"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 1e9], "reserve: expected 13"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, True, 1e9, False], "nbytes"),
+        ({"v": 1}, "message"),
+        ([1, 2, 3], "array of at least 5"),
+    ],
+)
+def test_malformed_fields_are_named(body, match: str) -> None:
+    with pytest.raises(ProtocolError, match=match):
+        decode(msgpack.packb(body))
+
+
+def test_truncated_oversized_and_garbage() -> None:
+    data = encode(RES)
+    for n in range(len(data)):
+        with pytest.raises(ProtocolError):
+            decode(data[:n])
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(b"\x90" * (MAX_MESSAGE_BYTES + 1))
+    with pytest.raises(ProtocolError):
+        decode(data + b"\x00")  # trailing bytes
+
+
+@given(st.binary(max_size=600))
+def test_random_bytes_never_escape_as_other_errors(data: bytes) -> None:
+    try:
+        m = decode(data)
+    except ProtocolError:
+        return
+    assert isinstance(m, Reserve | Release)
+
+
+def test_bit_flip_fuzz_thousands_of_inputs() -> None:
+    rng = random.Random(0)
+    base = [encode(RES), encode(REL)]
+    ok = bad = 0
+    for _ in range(5000):
+        b = bytearray(rng.choice(base))
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        try:
+            m = decode(bytes(b))
+            assert isinstance(m, Reserve | Release)
+            ok += 1
+        except ProtocolError:
+            bad += 1
+    assert bad > 1000 and ok + bad == 5000
