@@ -7,14 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ark.messages import MAX_MESSAGE_BYTES, ProtocolError, Release, Reserve, decode, encode
+from ark.messages import MAX_MESSAGE_BYTES, ProtocolError, Release, Renew, Reserve, decode, encode
 
-RES = Reserve((3, 17), 12.5, 3, 9, 4791, 2, 50123, 1_700_000_000, 98e9, False)
+RES = Reserve((3, 17), 12.5, 3, 9, 4791, 2, 50123, 1_700_000_000, 98e9, False, 14.0)
 REL = Release((3, 17), 13.25)
+REN = Renew((3, 17), 13.0, 16.5)
 
 
 def test_roundtrip() -> None:
-    for m in (RES, REL, RES._replace(shared=True)):
+    for m in (RES, REL, REN, RES._replace(shared=True), RES._replace(expires=float("inf"))):
         assert decode(encode(m)) == m
         assert type(decode(encode(m))) is type(m)
     assert len(encode(RES)) < 64
@@ -29,12 +30,15 @@ def test_roundtrip() -> None:
         ([1, 2, -3, 17, 12.5], "owner"),
         ([1, 2, 3, 17, float("nan")], "ts"),
         ([1, 2, 3, 17, 5], "ts"),  # an int where a float belongs
-        ([1, 1, 3, 17, 12.5, 4, 9, 4791, 2, 50123, 10, 1e9, False], "src"),
-        ([1, 1, 3, 17, 12.5, 3, 9, 70000, 2, 50123, 10, 1e9, False], "dport"),
-        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 0.0, False], "rate_bps"),
-        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 1e9, 1], "shared"),
-        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 1e9], "reserve: expected 13"),
-        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, True, 1e9, False], "nbytes"),
+        ([1, 1, 3, 17, 12.5, 4, 9, 4791, 2, 50123, 10, 1e9, False, 20.0], "src"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 70000, 2, 50123, 10, 1e9, False, 20.0], "dport"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 0.0, False, 20.0], "rate_bps"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 1e9, 1, 20.0], "shared"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 1e9, False], "reserve: expected 14"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, True, 1e9, False, 20.0], "nbytes"),
+        ([1, 1, 3, 17, 12.5, 3, 9, 4791, 2, 50123, 10, 1e9, False, 1.0], "expires"),
+        ([1, 3, 3, 17, 12.5, float("nan")], "expires"),
+        ([1, 3, 3, 17, 12.5], "renew: expected 6"),
         ({"v": 1}, "message"),
         ([1, 2, 3], "array of at least 5"),
     ],
@@ -61,12 +65,12 @@ def test_random_bytes_never_escape_as_other_errors(data: bytes) -> None:
         m = decode(data)
     except ProtocolError:
         return
-    assert isinstance(m, Reserve | Release)
+    assert isinstance(m, Reserve | Release | Renew)
 
 
 def test_bit_flip_fuzz_thousands_of_inputs() -> None:
     rng = random.Random(0)
-    base = [encode(RES), encode(REL)]
+    base = [encode(RES), encode(REL), encode(REN)]
     ok = bad = 0
     for _ in range(5000):
         b = bytearray(rng.choice(base))
@@ -74,7 +78,7 @@ def test_bit_flip_fuzz_thousands_of_inputs() -> None:
             b[rng.randrange(len(b))] = rng.randrange(256)
         try:
             m = decode(bytes(b))
-            assert isinstance(m, Reserve | Release)
+            assert isinstance(m, Reserve | Release | Renew)
             ok += 1
         except ProtocolError:
             bad += 1

@@ -2,10 +2,12 @@
 
 Wire layout (msgpack array): ``[version, type, owner, seq, ts, ...]``
 
-* RESERVE (type 1): ``[1, 1, owner, seq, ts, src, dst, dport, path, port, nbytes, rate_bps, shared]``
+* RESERVE (type 1): ``[1, 1, owner, seq, ts, src, dst, dport, path, port, nbytes, rate_bps, shared, expires]``
 * RELEASE (type 2): ``[1, 2, owner, seq, ts]``
+* RENEW   (type 3): ``[1, 3, owner, seq, ts, expires]``
 
-``(owner, seq)`` is the flow id; the reservation key is ``(ts, owner, seq)``.
+``(owner, seq)`` is the flow id; the reservation key is ``(ts, owner, seq)``. ``expires``
+is the lease end on the owner's clock (``inf``: no lease); RENEW moves it later.
 :func:`decode` validates every field and raises :class:`ProtocolError` on anything
 malformed; it never returns a partially valid message.
 """
@@ -20,6 +22,7 @@ import msgpack
 WIRE_VERSION = 1
 T_RESERVE = 1
 T_RELEASE = 2
+T_RENEW = 3
 MAX_MESSAGE_BYTES = 512
 
 FlowId = tuple[int, int]
@@ -51,6 +54,7 @@ class Reserve(NamedTuple):
     nbytes: int
     rate_bps: float
     shared: bool = False
+    expires: float = math.inf
 
     @property
     def key(self) -> Key:
@@ -62,7 +66,15 @@ class Release(NamedTuple):
     ts: float
 
 
-Message = Reserve | Release
+class Renew(NamedTuple):
+    """The owner extends a reservation's lease to ``expires``."""
+
+    flow: FlowId
+    ts: float
+    expires: float
+
+
+Message = Reserve | Release | Renew
 
 
 def encode(msg: Message) -> bytes:
@@ -81,9 +93,12 @@ def encode(msg: Message) -> bytes:
             msg.nbytes,
             float(msg.rate_bps),
             bool(msg.shared),
+            float(msg.expires),
         ]
     elif isinstance(msg, Release):
         body = [WIRE_VERSION, T_RELEASE, msg.flow[0], msg.flow[1], float(msg.ts)]
+    elif isinstance(msg, Renew):
+        body = [WIRE_VERSION, T_RENEW, msg.flow[0], msg.flow[1], float(msg.ts), float(msg.expires)]
     else:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
     out: bytes = msgpack.packb(body, use_bin_type=True)
@@ -99,6 +114,12 @@ def _int(v: object, name: str, hi: int) -> int:
 def _time(v: object, name: str) -> float:
     if type(v) is not float or not math.isfinite(v) or v < 0:
         raise ProtocolError(f"{name}: expected a finite float >= 0, got {v!r:.40}")
+    return v
+
+
+def _expires(v: object, ts: float) -> float:
+    if type(v) is not float or math.isnan(v) or v < ts:
+        raise ProtocolError(f"expires: expected a float >= ts (inf: no lease), got {v!r:.40}")
     return v
 
 
@@ -123,8 +144,8 @@ def decode(data: bytes) -> Message:
     flow = (_int(body[2], "owner", _U32), _int(body[3], "seq", _U63))
     ts = _time(body[4], "ts")
     if mtype == T_RESERVE and type(mtype) is int:
-        if len(body) != 13:
-            raise ProtocolError(f"reserve: expected 13 fields, got {len(body)}")
+        if len(body) != 14:
+            raise ProtocolError(f"reserve: expected 14 fields, got {len(body)}")
         src = _int(body[5], "src", _U32)
         if src != flow[0]:
             raise ProtocolError(f"src: reservation by host {flow[0]} for source {src}")
@@ -144,9 +165,16 @@ def decode(data: bytes) -> Message:
             _int(body[10], "nbytes", _U63),
             rate,
             body[12],
+            _expires(body[13], ts),
         )
     if mtype == T_RELEASE and type(mtype) is int:
         if len(body) != 5:
             raise ProtocolError(f"release: expected 5 fields, got {len(body)}")
         return Release(flow, ts)
-    raise ProtocolError(f"type: expected {T_RESERVE} (reserve) or {T_RELEASE} (release), got {mtype!r:.40}")
+    if mtype == T_RENEW and type(mtype) is int:
+        if len(body) != 6:
+            raise ProtocolError(f"renew: expected 6 fields, got {len(body)}")
+        return Renew(flow, ts, _expires(body[5], ts))
+    raise ProtocolError(
+        f"type: expected {T_RESERVE} (reserve), {T_RELEASE} (release) or {T_RENEW} (renew), got {mtype!r:.40}"
+    )

@@ -19,8 +19,16 @@ that were not yet released (release ts > ``R.ts``):
    its port hashes to, as plain ECMP); under ``ark-balance`` R shares its requested path.
 
 ``shared`` reservations (``ark-balance`` overflow) always share their requested path.
-Reservations older than the retention horizon are *settled*: they keep their assignment
-and late messages older than the horizon are dropped as stale. Most messages arrive in
+
+A reservation *ends* at ``min(release ts, lease expiry)``; RENEW moves the expiry later.
+"Not yet released at ``R.ts``" above means "end > ``R.ts``". Expired reservations stop
+holding links ``expiry_grace_s`` after their end (so that messages still in flight are
+judged against the links that were held when they were sent); ``table(at=T)`` gives the
+exact set at any instant ``T`` the replica still remembers.
+A reservation is forgotten ``retention_s`` after it ends. Reservations that overlapped a
+forgotten one are *frozen*: they keep the assignment they had (a joiner adopts them
+from a peer's snapshot), and messages about reservations that ended before the
+retention horizon are dropped as stale. Most messages arrive in
 key order and take an incremental fast path that gives exactly the full recomputation's
 result; anything else triggers the full recomputation.
 
@@ -45,7 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from ark.messages import FlowId, Key, Message, Release, Reserve
+from ark.messages import FlowId, Key, Message, Release, Renew, Reserve
 from ark.pathmap import PathMap, PortBuckets
 from ark.roce import flow_label_for_sport
 
@@ -66,6 +74,8 @@ class Routes(Protocol):
 
 
 PathMaps = Callable[[int, int, int], PathMap]  # (src, dst, dport) -> map
+LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seconds
+INF = float("inf")
 
 
 class CoreError(ValueError):
@@ -78,6 +88,17 @@ class _Entry:
     released: float | None = None
     path: int | None = None  # assigned path; None = holds nothing
     shared: bool = False
+    expires: float = INF
+    renew_ts: float = -INF
+    held: bool = False  # currently counted in the holders index
+    # Frozen: an overlapping reservation has been forgotten, so recomputing this one
+    # could give another answer than the one every replica already agreed on.
+    frozen: bool = False
+
+    @property
+    def end(self) -> float:
+        r = self.released
+        return self.expires if r is None or r > self.expires else r
 
 
 @dataclass(slots=True)
@@ -131,6 +152,8 @@ class Counters:
     fallbacks: int = 0
     shared: int = 0
     races_lost: int = 0  # own flows re-pathed or unreserved after a race
+    renewals: int = 0
+    expired: int = 0  # reservations whose lease ran out before a RELEASE
     received: int = 0
     duplicates: int = 0
     stale: int = 0
@@ -163,6 +186,9 @@ class ArkCore:
         policy: str = "ark",
         seed: int = 0,
         retention_s: float = 5.0,
+        lease: LeaseFn | None = None,
+        expiry_grace_s: float = 0.25,
+        seq_base: int = 0,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -170,6 +196,10 @@ class ArkCore:
             raise CoreError(f"host: must be 0..{routes.n_hosts - 1}; got {host}")
         if retention_s <= 0:
             raise CoreError(f"retention_s: must be > 0; got {retention_s}")
+        if expiry_grace_s < 0 or expiry_grace_s >= retention_s:
+            raise CoreError(f"expiry_grace_s: must be in [0, retention_s); got {expiry_grace_s}")
+        if not 0 <= seq_base < 2**62:
+            raise CoreError(f"seq_base: must be 0..2**62-1; got {seq_base}")
         self.host = host
         self.routes = routes
         self._n_hosts = routes.n_hosts
@@ -178,19 +208,26 @@ class ArkCore:
         self.counters = Counters()
         self._pathmaps = pathmaps
         self._rng = random.Random(seed)  # owned: ECMP fallback ports only
-        self._seq = 0
+        self._seq = seq_base
+        self._seq_base = seq_base
+        self._lease = lease
+        self.expiry_grace_s = expiry_grace_s
         self._entries: dict[FlowId, _Entry] = {}
         self._keys: list[Key] = []
         self._early_release: dict[FlowId, float] = {}
+        self._early_renew: dict[FlowId, Renew] = {}
         self._holders: dict[int, set[FlowId]] = {}
         self._stages = _StageIndex()
         self._stage_cache: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         self._own: dict[FlowId, _Own] = {}
         self._buckets: dict[tuple[int, int], PortBuckets] = {}
-        self._max_released = float("-inf")
-        self._release_heap: list[tuple[float, FlowId]] = []
+        # Largest end among entries taken out of the holders index early (released).
+        self._max_released = -INF
+        self._expired_upto = -INF  # entries ending at or before this hold nothing
+        self._end_heap: list[tuple[float, FlowId]] = []  # for expiry
+        self._purge_heap: list[tuple[float, FlowId]] = []  # for forgetting
         self._rates: dict[tuple[int, int], float] = {}
-        self._horizon = float("-inf")
+        self._horizon = -INF
 
     # ------------------------------------------------------------------ owner API
     def request(self, dst: int, nbytes: int, now: float, dport: int = 4791) -> Decision:
@@ -234,7 +271,10 @@ class ArkCore:
         rate = self._rates.get((dst, path))
         if rate is None:
             rate = self._rates[(dst, path)] = float(self.routes.path_rate_bps(self.host, dst, path))
-        msg = Reserve(flow, float(now), self.host, dst, dport, path, port, int(nbytes), float(rate), shared)
+        expires = float(now) + self._lease(int(nbytes), rate) if self._lease else INF
+        msg = Reserve(
+            flow, float(now), self.host, dst, dport, path, port, int(nbytes), float(rate), shared, expires
+        )
         self._own[flow] = _Own(flow, dst, dport, path, port, True)
         self.counters.reserved += 1
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
@@ -270,7 +310,25 @@ class ArkCore:
         if flow not in self._entries:
             return Released((), ())
         msg = Release(flow, float(now))
+        entry = self._entries[flow]
+        if entry.released is not None or msg.ts < entry.msg.ts:
+            return Released((), ())
         return Released((msg,), tuple(self._apply_release(msg)))
+
+    def renew(self, flow: FlowId, now: float) -> tuple[Message, ...]:
+        """Extend a local reservation's lease by a full lease from ``now``."""
+        own = self._own.get(flow)
+        if own is None:
+            raise CoreError(f"flow: {flow} is not an active local flow")
+        entry = self._entries.get(flow)
+        if entry is None or self._lease is None or entry.released is not None:
+            return ()
+        expires = float(now) + self._lease(entry.msg.nbytes, entry.msg.rate_bps)
+        if expires <= entry.expires:
+            return ()
+        msg = Renew(flow, float(now), expires)
+        self._apply_renew(entry, msg)
+        return (msg,)
 
     def receive(self, msg: Message, now: float, sender: int | None = None) -> list[Repath]:
         """Apply a peer's message; returns changes to local flows (races lost)."""
@@ -282,7 +340,7 @@ class ArkCore:
             if not self._valid_reserve(msg):
                 self.counters.invalid += 1
                 return []
-            if msg.ts < self._horizon:
+            if self._ended_before(msg, self._horizon):
                 self.counters.stale += 1
                 return []
             old = self._entries.get(msg.flow)
@@ -292,8 +350,10 @@ class ArkCore:
                 else:
                     self.counters.invalid += 1
                 return []
-            if msg.flow[0] == self.host and msg.flow not in self._own:
-                # An echo of our own reservation we no longer know: ignore.
+            if msg.flow[0] == self.host and msg.flow not in self._own and msg.flow[1] > self._seq_base:
+                # An echo of a reservation of ours we have already forgotten: ignore.
+                # (Lower seqs belong to a predecessor before a restart: kept, so that
+                # they can be released.)
                 self.counters.stale += 1
                 return []
             return self._insert(msg)
@@ -302,71 +362,177 @@ class ArkCore:
             if entry is None:
                 if msg.ts < self._horizon:
                     self.counters.stale += 1
-                elif msg.flow in self._early_release:
+                elif msg.flow in self._early_release and self._early_release[msg.flow] <= msg.ts:
                     self.counters.duplicates += 1
                 else:
                     self._early_release[msg.flow] = msg.ts
                 return []
-            if entry.released is not None:
+            if entry.released is not None and entry.released <= msg.ts:
+                # Two RELEASEs for one flow (a predecessor's, after a restart): the
+                # earliest wins on every replica, whatever the arrival order.
                 self.counters.duplicates += 1
                 return []
             if msg.ts < entry.msg.ts:
                 self.counters.invalid += 1
                 return []
             return self._apply_release(msg)
+        if isinstance(msg, Renew):
+            entry = self._entries.get(msg.flow)
+            if entry is None:
+                if msg.expires < self._horizon:
+                    self.counters.stale += 1
+                else:
+                    old_r = self._early_renew.get(msg.flow)
+                    if old_r is None or old_r.expires < msg.expires:
+                        self._early_renew[msg.flow] = msg
+                return []
+            if msg.ts < entry.msg.ts or msg.expires < entry.msg.ts:
+                self.counters.invalid += 1
+                return []
+            if msg.expires <= entry.expires:
+                self.counters.duplicates += 1
+                return []
+            # A renewal that arrives after the lease lapsed here still applies: the
+            # table is a function of the message set, whatever the arrival times.
+            return self._apply_renew(entry, msg)
         self.counters.invalid += 1
         return []
 
-    def tick(self, now: float) -> None:
-        """Advance the retention horizon and forget long-released reservations."""
+    def tick(self, now: float) -> list[Repath]:
+        """Let time pass: expire leases, forget old reservations.
+
+        Returns changes to local flows whose lease ran out (they no longer hold a path).
+        """
+        events: list[Repath] = []
+        upto = now - self.expiry_grace_s
+        if upto > self._expired_upto:
+            self._expired_upto = upto
+            heap = self._end_heap
+            while heap and heap[0][0] <= upto:
+                end, flow = heapq.heappop(heap)
+                e = self._entries.get(flow)
+                if e is None or e.end != end or not e.held:
+                    continue
+                self._unhold(flow, self._links(e.msg, e.path))  # type: ignore[arg-type]
+                if e.released is None:
+                    self.counters.expired += 1
+                    if flow in self._own:
+                        events.extend(self._sync_own(flow, race=False))
         horizon = now - self.retention_s
-        if horizon <= self._horizon:
-            return
-        self._horizon = horizon
-        heap = self._release_heap
-        while heap and heap[0][0] < horizon:
-            rts, flow = heapq.heappop(heap)
-            e = self._entries.get(flow)
-            if e is None or e.released != rts:
+        if horizon > self._horizon:
+            self._horizon = horizon
+            heap = self._purge_heap
+            while heap and heap[0][0] < horizon:
+                end, flow = heapq.heappop(heap)
+                e = self._entries.get(flow)
+                if e is None or e.end != end:
+                    continue
+                if e.held:  # unreachable: the grace is shorter than the retention
+                    self._unhold(flow, self._links(e.msg, e.path))  # type: ignore[arg-type]
+                del self._entries[flow]
+                i = bisect_left(self._keys, e.msg.key)
+                del self._keys[i]
+                # Later reservations that started while this one was active keep the
+                # assignment it helped decide.
+                for k in self._keys[i:]:
+                    if k[0] >= end:
+                        break
+                    self._entries[(k[1], k[2])].frozen = True
+            for d in (self._early_release, self._early_renew):
+                for f in [f for f, t in d.items() if (t if isinstance(t, float) else t.ts) < horizon]:
+                    del d[f]
+        return events
+
+    def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
+        """Assignments that can no longer be recomputed here (see ``_Entry.frozen``)."""
+        return {f: (e.path, e.shared) for f, e in self._entries.items() if e.frozen}
+
+    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]]) -> list[Repath]:
+        """Take a peer's frozen assignments (a joiner cannot recompute them itself)."""
+        changed = False
+        for f, (path, shared) in assignments.items():
+            e = self._entries.get(f)
+            if e is None or e.frozen:
                 continue
-            del self._entries[flow]
-            i = bisect_left(self._keys, e.msg.key)
-            del self._keys[i]
-        if self._early_release:
-            for f in [f for f, t in self._early_release.items() if t < horizon]:
-                del self._early_release[f]
+            if path is not None and not 0 <= path < self.routes.n_paths(e.msg.src, e.msg.dst):
+                self.counters.invalid += 1
+                continue
+            e.path, e.shared, e.frozen = path, shared, True
+            changed = True
+        return self._recompute() if changed else []
+
+    def snapshot(self) -> list[Message]:
+        """Every message this replica holds, for a peer that (re)joins.
+
+        The table is a function of the message set, so a replica that applies these
+        converges to this one's table.
+        """
+        out: list[Message] = []
+        for key in self._keys:
+            e = self._entries[(key[1], key[2])]
+            out.append(e.msg)
+            if e.expires > e.msg.expires:
+                out.append(Renew(e.msg.flow, max(e.renew_ts, e.msg.ts), e.expires))
+            if e.released is not None:
+                out.append(Release(e.msg.flow, e.released))
+        out.extend(Release(f, t) for f, t in self._early_release.items())
+        out.extend(self._early_renew.values())
+        return out
 
     # ------------------------------------------------------------------ views
-    def table(self) -> dict[FlowId, tuple[int, bool]]:
-        """Live reservations that hold links: flow -> (path, shared)."""
+    def table(self, at: float | None = None) -> dict[FlowId, tuple[int, bool]]:
+        """Reservations holding links: flow -> (path, shared).
+
+        ``at=None``: what this replica counts as held now (leases expire after the grace).
+        ``at=T``: exactly the reservations that hold links at instant ``T``, a pure function
+        of the messages held (for comparing replicas whose clocks differ).
+        """
+        if at is None:
+            return {f: (e.path, e.shared) for f, e in self._entries.items() if e.held and e.path is not None}
         return {
             f: (e.path, e.shared)
             for f, e in self._entries.items()
-            if e.released is None and e.path is not None
+            if e.path is not None and e.msg.ts <= at < e.end
         }
 
     def entries(self) -> dict[FlowId, tuple[Reserve, float | None, int | None, bool]]:
         """Everything the replica knows: flow -> (reserve, released ts, path, shared)."""
         return {f: (e.msg, e.released, e.path, e.shared) for f, e in self._entries.items()}
 
-    def digest(self) -> str:
-        """Order-independent digest of the live table (paths, not ports)."""
+    def ends(self) -> dict[FlowId, float]:
+        """Each known reservation's end: min(release ts, lease expiry)."""
+        return {f: e.end for f, e in self._entries.items()}
+
+    def state_digest(self, since: float) -> bytes:
+        """Digest of what this replica knows about reservations ending at or after
+        ``since``: (flow, end) pairs. Equal message sets give equal digests."""
+        h = hashlib.blake2b(digest_size=8)
+        for f in sorted(f for f, e in self._entries.items() if e.end >= since):
+            h.update(f"{f[0]}:{f[1]}:{self._entries[f].end!r};".encode())
+        return h.digest()
+
+    def digest(self, at: float | None = None) -> str:
+        """Order-independent digest of :meth:`table` (paths, not ports)."""
         h = hashlib.sha256()
-        for f in sorted(self.table()):
-            p, s = self._entries[f].path, self._entries[f].shared
+        t = self.table(at)
+        for f in sorted(t):
+            p, s = t[f]
             h.update(f"{f[0]}:{f[1]}:{p}:{int(s)};".encode())
         return h.hexdigest()[:16]
 
     def link_holders(self) -> dict[int, frozenset[FlowId]]:
         return {lk: frozenset(s) for lk, s in self._holders.items() if s}
 
-    def exclusive_conflicts(self) -> list[int]:
-        """Links held by two flows of which one claims them alone (must stay empty)."""
-        bad = []
-        for lk, s in self._holders.items():
-            if len(s) > 1 and any(not self._entries[f].shared for f in s):
-                bad.append(lk)
-        return bad
+    def exclusive_conflicts(self, at: float | None = None) -> list[int]:
+        """Links held by two flows of which one claims them alone (must stay empty).
+
+        ``at``: judge the reservations active at that instant (see :meth:`table`).
+        """
+        users: dict[int, list[bool]] = {}
+        for f, (path, shared) in self.table(at).items():
+            for lk in self._links(self._entries[f].msg, path):
+                users.setdefault(lk, []).append(shared)
+        return sorted(lk for lk, sh in users.items() if len(sh) > 1 and not all(sh))
 
     def local_flows(self) -> dict[FlowId, tuple[int, int, int, bool]]:
         """Local flows: flow -> (dst, path, port, reserved)."""
@@ -420,6 +586,7 @@ class ArkCore:
         return tuple(st[path] for st in self._stage_list(msg.src, msg.dst))
 
     def _hold(self, flow: FlowId, links: Sequence[int]) -> None:
+        self._entries[flow].held = True
         for lk in links:
             s = self._holders.get(lk)
             if s is None:
@@ -429,7 +596,8 @@ class ArkCore:
                     self._stages.masks[sid] |= 1 << k
             s.add(flow)
 
-    def _unhold(self, flow: FlowId, links: tuple[int, ...]) -> None:
+    def _unhold(self, flow: FlowId, links: Sequence[int]) -> None:
+        self._entries[flow].held = False
         for lk in links:
             s = self._holders[lk]
             s.discard(flow)
@@ -451,18 +619,35 @@ class ArkCore:
             return msg.path, True
         return None, False
 
+    def _push_end(self, entry: _Entry) -> None:
+        end = entry.end
+        if end != INF:
+            heapq.heappush(self._end_heap, (end, entry.msg.flow))
+            heapq.heappush(self._purge_heap, (end, entry.msg.flow))
+
     def _insert(self, msg: Reserve) -> list[Repath]:
-        entry = _Entry(msg)
+        entry = _Entry(msg, expires=msg.expires)
         key = msg.key
-        fast = (not self._keys or key > self._keys[-1]) and msg.ts >= self._max_released
-        early = self._early_release.pop(msg.flow, None)
+        # The fast path is exact when the holders index equals "entries whose end is
+        # after msg.ts": no larger key exists and nothing ended early after msg.ts.
+        fast = (
+            (not self._keys or key > self._keys[-1])
+            and msg.ts >= self._max_released
+            and msg.ts >= self._expired_upto
+        )
         self._entries[msg.flow] = entry
         insort(self._keys, key)
+        renew = self._early_renew.pop(msg.flow, None)
+        if renew is not None and renew.expires > entry.expires:
+            entry.expires, entry.renew_ts = renew.expires, renew.ts
+        early = self._early_release.pop(msg.flow, None)
         if early is not None:
-            entry.released = early
-            heapq.heappush(self._release_heap, (early, msg.flow))
-            self._max_released = max(self._max_released, early)
+            entry.released = max(early, msg.ts)
+            self._max_released = max(self._max_released, entry.end)
             fast = False
+        if entry.end <= self._expired_upto:
+            fast = False
+        self._push_end(entry)
         if not fast:
             return self._recompute()
         holders = self._holders
@@ -471,7 +656,13 @@ class ArkCore:
         if not msg.shared and not any([holders.get(lk) for lk in links]):
             entry.path = msg.path  # the common case: requested path free
         else:
-            entry.path, entry.shared = self._assign(msg, lambda lk: bool(holders.get(lk)))
+            entries, ts = self._entries, msg.ts
+
+            def held(lk: int) -> bool:
+                hs = holders.get(lk)
+                return hs is not None and any(entries[f].end > ts for f in hs)
+
+            entry.path, entry.shared = self._assign(msg, held)
             if entry.path is not None:
                 links = [st[entry.path] for st in stages]
         if entry.path is not None:
@@ -480,18 +671,51 @@ class ArkCore:
             return []
         return self._sync_own(msg.flow)
 
+    def _ended_before(self, msg: Reserve, t: float) -> bool:
+        if msg.expires == INF and msg.ts < t:
+            return True  # no lease: an unknown reservation that old cannot be judged
+        end = msg.expires
+        rel = self._early_release.get(msg.flow)
+        if rel is not None:
+            end = min(end, rel)
+        renew = self._early_renew.get(msg.flow)
+        if renew is not None and rel is None:
+            end = max(end, renew.expires)
+        return end < t
+
+    def _later_start_at_or_after(self, entry: _Entry, t: float) -> bool:
+        """Is there a reservation with a larger key that started at or after ``t``?"""
+        last = self._keys[-1]
+        return last != entry.msg.key and last[0] >= t
+
     def _apply_release(self, msg: Release) -> list[Repath]:
         entry = self._entries[msg.flow]
+        old_end = entry.end
         entry.released = msg.ts
-        heapq.heappush(self._release_heap, (msg.ts, msg.flow))
-        self._max_released = max(self._max_released, msg.ts)
-        last = self._keys[-1]
-        if last[0] >= msg.ts and last != entry.msg.key:
+        new_end = entry.end
+        if new_end == old_end:  # released after its lease had already run out
+            return []
+        self._push_end(entry)
+        self._max_released = max(self._max_released, new_end)
+        if self._later_start_at_or_after(entry, new_end):
             # Someone reserved at or after this release instant: their evaluation
-            # may change now that this flow is known to be gone.
+            # may change now that this flow is known to be gone by then.
             return self._recompute()
-        if entry.path is not None:
-            self._unhold(msg.flow, self._links(entry.msg, entry.path))
+        if entry.held:
+            self._unhold(msg.flow, self._links(entry.msg, entry.path))  # type: ignore[arg-type]
+        return []
+
+    def _apply_renew(self, entry: _Entry, msg: Renew) -> list[Repath]:
+        old_end = entry.end
+        entry.expires, entry.renew_ts = msg.expires, msg.ts
+        self.counters.renewals += 1
+        new_end = entry.end
+        if new_end == old_end:  # already released: the lease no longer matters
+            return []
+        self._push_end(entry)
+        lapsed = old_end <= self._expired_upto and entry.path is not None and not entry.held
+        if lapsed or self._later_start_at_or_after(entry, old_end):
+            return self._recompute()
         return []
 
     def _recompute(self) -> list[Repath]:
@@ -506,21 +730,23 @@ class ArkCore:
                 _, k = heapq.heappop(retire)
                 for lk in active_links.pop(k):
                     held[lk] -= 1
-            if ts >= self._horizon:  # settled entries keep their assignment
+            if not e.frozen:
                 e.path, e.shared = self._assign(e.msg, lambda lk: held.get(lk, 0) > 0)
             if e.path is not None:
                 links = self._links(e.msg, e.path)
                 for lk in links:
                     held[lk] = held.get(lk, 0) + 1
                 active_links[key] = links
-                heapq.heappush(retire, (e.released if e.released is not None else float("inf"), key))
-        # Rebuild live holders and masks from scratch.
+                heapq.heappush(retire, (e.end, key))
+        # Rebuild the holders index and masks from scratch.
         self._holders = {}
         masks = self._stages.masks
         for i in range(len(masks)):
             masks[i] = 0
+        upto = self._expired_upto
         for f, e in self._entries.items():
-            if e.released is None and e.path is not None:
+            e.held = False
+            if e.path is not None and e.released is None and e.end > upto:
                 self._hold(f, self._links(e.msg, e.path))
         events: list[Repath] = []
         for f in list(self._own):
@@ -528,13 +754,13 @@ class ArkCore:
                 events.extend(self._sync_own(f))
         return events
 
-    def _sync_own(self, flow: FlowId) -> list[Repath]:
+    def _sync_own(self, flow: FlowId, race: bool = True) -> list[Repath]:
         """Bring a local flow in line with its table entry; report what changed."""
         own = self._own.get(flow)
         entry = self._entries.get(flow)
         if own is None or entry is None:
             return []
-        reserved = entry.path is not None and entry.released is None
+        reserved = entry.path is not None and entry.held
         new_path = entry.path if entry.path is not None else own.path
         if new_path == own.path and reserved == own.reserved:
             return []
@@ -545,7 +771,8 @@ class ArkCore:
             own.port = buckets.take(new_path)
             own.path = new_path
         own.reserved = reserved
-        self.counters.races_lost += 1
+        if race:
+            self.counters.races_lost += 1
         return [Repath(flow, old, own.path, own.port, flow_label_for_sport(own.port), reserved)]
 
     def _balance_choice(self, stages: tuple[tuple[int, ...], ...], n: int, now: float) -> int:

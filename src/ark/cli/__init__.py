@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ark import config as cfgmod
+from ark.cluster import ClusterError
 from ark.config import ConfigError, ExperimentConfig
 from ark.hashing import HASH_MODELS, HashError
 from ark.pathmap import PathMapError, compute_buckets, parse_port_range
@@ -23,7 +24,9 @@ from ark.simulator import SCHEMES, SimError
 from ark.topology import HASH_SELECTIONS, TopologyError
 from ark.workload import WorkloadError
 
-USER_ERRORS = (ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError)
+USER_ERRORS = (
+    ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError, ClusterError,
+)
 
 # Piped output would otherwise wrap at 80 columns and truncate the tables.
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -272,6 +275,118 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
         f"{res['wall_s']:.2f} s wall, {res['events']} events, {res['events_per_s']:.0f} events/s "
         f"(target: <= 20 s for the default sweep on 2 cores)"
     )
+
+
+# ---------------------------------------------------------------------------------------
+# agents
+# ---------------------------------------------------------------------------------------
+def _cluster(path: str) -> Any:
+    from ark import cluster as clmod
+
+    return clmod.load(path)
+
+
+@cli.command()
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML.")
+@click.option("--host", required=True, help="This host's name in the cluster file.")
+@click.option("--secret-key", type=click.Path(dir_okay=False), help="CURVE secret key file (default: from the cluster file).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+def agent(cluster_path: str, host: str, secret_key: str | None, log_level: str) -> None:
+    """Run this host's ARK agent (JSON logs on stderr)."""
+    from ark.agent import run_agent
+
+    run_agent(_cluster(cluster_path), host, secret_key, log_level)
+
+
+@cli.command()
+@click.option("--out", "out_dir", default="keys", show_default=True, help="Folder for the key files.")
+@click.option("--name", required=True, help="Key name (usually the host name).")
+def keygen(out_dir: str, name: str) -> None:
+    """Write a CURVE key pair: NAME.key (public) and NAME.key_secret."""
+    import zmq.auth
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    pub_file, sec_file = zmq.auth.create_certificates(out_dir, name)
+    os.chmod(sec_file, 0o600)
+    pub, _ = zmq.auth.load_certificate(pub_file)
+    out.print(f"public_key = \"{pub.decode()}\"  (secret: {sec_file})", highlight=False)
+
+
+def _client_for(cluster_path: str, host: str) -> Any:
+    from ark.client import ArkClient
+
+    return ArkClient(_cluster(cluster_path).host(host).api, timeout_s=2.0)
+
+
+@cli.command()
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--host", required=True)
+@click.option("--json", "as_json", is_flag=True)
+def status(cluster_path: str, host: str, as_json: bool) -> None:
+    """This host's view: peers up or down, reserved links, counters."""
+    from ark.client import ArkClientError
+
+    with _client_for(cluster_path, host) as c:
+        try:
+            st = c.status()
+        except ArkClientError as e:
+            raise click.ClickException(f"agent {host}: {e}") from None
+    if as_json:
+        click.echo(json.dumps(st, indent=1))
+        return
+    out.print(f"[bold]{st['name']}[/] (id {st['host']}, incarnation {st['incarnation']}): "
+              f"{'ready' if st['ready'] else 'resynchronising'}; {st['reservations']} reservations, "
+              f"{len(st['reserved_links'])} reserved links, {st['local_flows']} local flows, digest {st['digest']}")
+    t = Table(title="peers")
+    for col in ("peer", "up", "synced", "last heard (s ago)", "last seq"):
+        t.add_column(col)
+    for name, p in st["peers"].items():
+        t.add_row(name, "up" if p["up"] else "[red]down[/]", str(p["synced"]), str(p["last_heard_s_ago"]), str(p["last_seq"]))
+    out.print(t)
+    t = Table(title="counters")
+    t.add_column("counter")
+    t.add_column("value", justify="right")
+    for k, v in {**st["core"], **st["node"]}.items():
+        t.add_row(k, str(v))
+    out.print(t)
+
+
+@cli.command()
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--host", required=True, help="This host.")
+@click.option("--peer", required=True, help="Destination host.")
+@click.option("--dport", type=click.IntRange(0, 65535), default=None, help="Destination port (default: the cluster's).")
+def ports(cluster_path: str, host: str, peer: str, dport: int | None) -> None:
+    """A static port list (one source port per path), for MC_MLX5_QP_UDP_SPORTS-style settings."""
+    cl = _cluster(cluster_path)
+    me, other = cl.host(host), cl.host(peer)
+    pm = cl.pathmaps()(me.index, other.index, cl.dport if dport is None else dport)
+    click.echo(",".join(str(int(b[0])) for b in pm.buckets if len(b)))
+
+
+@cli.command("cluster")
+@click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)
+@click.option("--flows", type=click.IntRange(min=1), default=5000, show_default=True, help="Reserve+release cycles.")
+@click.option("--kill", type=click.IntRange(min=0), default=0, show_default=True, help="Agents to SIGKILL halfway and restart.")
+@click.option("--lease", "lease_min_s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Minimum lease (s).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, as_json: bool) -> None:
+    """Start N real agents on loopback, drive reserve/release cycles, report."""
+    from ark.loopback import run_cluster
+
+    if kill >= agents:
+        raise click.BadParameter(f"must be below --agents ({agents})", param_hint="--kill")
+    res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    t = Table(title=f"{agents} agents on loopback, {flows} reserve+release cycles, {kill} killed")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for k, v in res.items():
+        t.add_row(k, str(v))
+    out.print(t)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

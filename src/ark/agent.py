@@ -1,0 +1,394 @@
+"""The ARK agent: one per host, moving the bytes of an :class:`ark.node.Node`.
+
+Sockets (ZeroMQ, brokerless, every peer link CURVE-encrypted and authenticated):
+
+* PUB (CURVE server) on ``control``: this host's RESERVE / RENEW / RELEASE / HELLO;
+* one SUB per peer (CURVE client, pinned to the peer's public key): the channel names
+  the sender, so a message counts only if it comes from the host it claims;
+* ROUTER (CURVE server) on ``sync`` answers sync requests; one DEALER per peer asks;
+* ROUTER on ``api`` (ipc://, local only): the serving engines' reserve / renew /
+  release / status / ports / metrics requests.
+
+A ZAP handler admits only the public keys listed in the cluster file, so a stranger can
+neither subscribe nor ask for a snapshot, and it cannot pose as a listed peer without
+that peer's secret key. Time is the wall clock (hosts are assumed PTP-synchronised, as
+the protocol's race rule requires).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from ark.cluster import Cluster, ClusterError, HostEntry, read_secret_key
+from ark.messages import ProtocolError
+from ark.node import LeasePolicy, Node, NotReady, Output, Publish, Send
+from ark.protocol import CoreError
+
+API_MAX_BYTES = 4096
+log = logging.getLogger("ark.agent")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, event and the record's fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "event": record.getMessage()}
+        out.update(getattr(record, "fields", {}))
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "info") -> None:
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(JsonFormatter())
+    root = logging.getLogger("ark")
+    root.handlers[:] = [h]
+    root.setLevel(level.upper())
+    root.propagate = False
+
+
+def _ev(event: str, **fields: Any) -> dict[str, Any]:
+    return {"msg": event, "extra": {"fields": fields}}
+
+
+class _Keys:
+    """ZAP credentials provider: only the cluster's public keys get in."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = {k.encode() for k in keys}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+class Agent:
+    def __init__(self, cluster: Cluster, host: str, secret_key_file: str | None = None) -> None:
+        self.cluster = cluster
+        self.me: HostEntry = cluster.host(host)
+        keyfile = secret_key_file or self.me.secret_key_file
+        if keyfile is None:
+            raise CoreError("secret key: give --secret-key or secret_key_file in the cluster file")
+        pub, self.secret = read_secret_key(keyfile)
+        if pub.decode() != self.me.public_key:
+            raise CoreError(f"secret key: {keyfile} does not match {host}'s public_key in the cluster file")
+        self.public = pub
+        self.peers = {h.index: h for h in cluster.hosts if h.index != self.me.index}
+        self.node = Node(
+            self.me.index, cluster.fabric, cluster.pathmaps(), list(self.peers),
+            incarnation=int(time.time() * 1000) % (1 << 30) or 1,
+            policy=cluster.policy, seed=int.from_bytes(os.urandom(4), "big"),
+            lease=LeasePolicy(cluster.lease_min_s, cluster.lease_slack),
+            heartbeat_s=cluster.heartbeat_s, peer_timeout_s=cluster.peer_timeout_s,
+            sync_timeout_s=cluster.sync_timeout_s, retention_s=cluster.retention_s,
+        )
+        self._stop = False
+        self._up: dict[int, bool] = {}
+        self._rid: dict[int, bytes] = {}
+        self._key_host = {h.public_key.encode(): h.index for h in cluster.hosts}
+        self.registry: Any = None
+
+    # ------------------------------------------------------------------ sockets
+    def _curve(self, sock: zmq.Socket, server_key: str | None) -> None:
+        sock.curve_secretkey = self.secret
+        sock.curve_publickey = self.public
+        if server_key is None:
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = server_key.encode()
+
+    def _open(self) -> None:
+        ctx = self.ctx = zmq.Context()
+        self.auth = ThreadAuthenticator(ctx)
+        self.auth.start()
+        self.auth.configure_curve_callback(domain="*", credentials_provider=_Keys(h.public_key for h in self.cluster.hosts))
+        self.pub = ctx.socket(zmq.PUB)
+        self._curve(self.pub, None)
+        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(self.me.control)
+        self.router = ctx.socket(zmq.ROUTER)
+        self._curve(self.router, None)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(self.me.sync)
+        if self.me.api.startswith("ipc://"):
+            path = Path(self.me.api[len("ipc://"):])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                path.unlink()  # a stale socket from a killed predecessor
+        self.api = ctx.socket(zmq.ROUTER)
+        self.api.setsockopt(zmq.LINGER, 0)
+        old = os.umask(0o077)  # the local API is for this host's own users only
+        try:
+            self.api.bind(self.me.api)
+        finally:
+            os.umask(old)
+        self.subs: dict[zmq.Socket, int] = {}
+        self.dealers: dict[int, zmq.Socket] = {}
+        for idx, h in self.peers.items():
+            s = ctx.socket(zmq.SUB)
+            self._curve(s, h.public_key)
+            s.setsockopt(zmq.SUBSCRIBE, b"")
+            s.setsockopt(zmq.RCVHWM, 100_000)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(h.control)
+            self.subs[s] = idx
+            d = ctx.socket(zmq.DEALER)
+            self._curve(d, h.public_key)
+            d.setsockopt(zmq.LINGER, 0)
+            d.setsockopt(zmq.SNDHWM, 1000)
+            d.connect(h.sync)
+            self.dealers[idx] = d
+        self.dealer_peer = {d: i for i, d in self.dealers.items()}
+        self.poller = zmq.Poller()
+        for s in [self.router, self.api, *self.subs, *self.dealers.values()]:
+            self.poller.register(s, zmq.POLLIN)
+        if self.me.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.me.metrics_port, addr="127.0.0.1", registry=self.metrics_registry())
+
+    def _close(self) -> None:
+        for s in [self.pub, self.router, self.api, *self.subs, *self.dealers.values()]:
+            s.close(0)
+        self.auth.stop()
+        self.ctx.term()
+        if self.me.api.startswith("ipc://"):
+            Path(self.me.api[len("ipc://"):]).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------ loop
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        self._open()
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        log.info(**_ev("agent_started", host=self.me.name, id=self.me.index, incarnation=self.node.incarnation,
+                       peers=len(self.peers), control=self.me.control, api=self.me.api))
+        self._emit(self.node.start(time.time()), None)
+        tick_every = min(0.05, self.cluster.heartbeat_s / 4)
+        next_tick = time.time()
+        was_ready = False
+        try:
+            while not self._stop:
+                timeout = max(0.0, next_tick - time.time())
+                events = dict(self.poller.poll(int(timeout * 1000) + 1))
+                for sock in events:
+                    self._drain(sock)
+                now = time.time()
+                if now >= next_tick:
+                    self._emit(self.node.tick(now), None)
+                    self._watch_peers(now)
+                    next_tick = now + tick_every
+                if self.node.ready and not was_ready:
+                    was_ready = True
+                    log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
+                while self.node.events:
+                    ev = self.node.events.popleft()
+                    log.info(**_ev("local_flow_changed", flow=list(ev.flow), old_path=ev.old_path, path=ev.path,
+                                   port=ev.port, reserved=ev.reserved))
+        finally:
+            log.info(**_ev("agent_stopped", host=self.me.name))
+            self._close()
+
+    def _drain(self, sock: zmq.Socket, limit: int = 512) -> None:
+        for _ in range(limit):
+            try:
+                if sock is self.api:
+                    self._api(sock.recv_multipart(zmq.NOBLOCK))
+                elif sock is self.router:
+                    self._sync_request(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                elif sock in self.subs:
+                    data = sock.recv(zmq.NOBLOCK)
+                    self._emit(self.node.on_publish(self.subs[sock], data, time.time()), None)
+                else:
+                    data = sock.recv(zmq.NOBLOCK)
+                    self._emit(self.node.on_request(self.dealer_peer[sock], data, time.time()), None)
+            except zmq.Again:
+                return
+
+    def _sync_request(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            self.node.counters.invalid += 1
+            return
+        rid, body = frames
+        user = body.get("User-Id")
+        peer = self._key_host.get(user.encode() if isinstance(user, str) else b"")
+        if peer is None or peer == self.me.index:
+            self.node.counters.invalid += 1
+            return
+        self._rid[peer] = rid.bytes
+        self._emit(self.node.on_request(peer, body.bytes, time.time()), rid.bytes)
+
+    def _emit(self, outs: list[Output], reply_to: bytes | None) -> None:
+        for o in outs:
+            if isinstance(o, Publish):
+                self.pub.send(o.data)
+            elif isinstance(o, Send):
+                if reply_to is not None:
+                    self.router.send_multipart([reply_to, o.data])
+                else:
+                    with contextlib.suppress(zmq.Again):  # unreachable peer: the node retries
+                        self.dealers[o.peer].send(o.data, zmq.NOBLOCK)
+
+    def _watch_peers(self, now: float) -> None:
+        for p, st in self.node.peers.items():
+            up = now - st.last_heard <= self.node.peer_timeout_s
+            if self._up.get(p) != up:
+                if p in self._up or up:
+                    log.info(**_ev("peer_up" if up else "peer_down", host=self.me.name, peer=self.peers[p].name))
+                self._up[p] = up
+
+    # ------------------------------------------------------------------ local API
+    def _api(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            return
+        rid, body = frames[0], frames[-1]
+        try:
+            reply = self._handle(body)
+        except (CoreError, ProtocolError, ValueError, KeyError, TypeError) as e:
+            reply = {"ok": False, "error": str(e), "not_ready": isinstance(e, NotReady)}
+        self.api.send_multipart([rid, b"", msgpack.packb(reply, use_bin_type=True)])
+
+    def _host_arg(self, v: Any, field: str) -> int:
+        names = ", ".join(h.name for h in self.cluster.hosts)
+        try:
+            if isinstance(v, str):
+                return self.cluster.host(v).index
+            if isinstance(v, int) and not isinstance(v, bool):
+                return self.cluster.by_index(v).index
+        except ClusterError:
+            pass
+        raise ValueError(f"{field}: expected a cluster host ({names}); got {v!r}")
+
+    def _handle(self, body: bytes) -> dict[str, Any]:
+        if len(body) > API_MAX_BYTES:
+            raise ValueError(f"request: larger than {API_MAX_BYTES} bytes")
+        try:
+            req = msgpack.unpackb(body, raw=False)
+        except Exception:
+            raise ValueError("request: not valid msgpack") from None
+        if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+            raise ValueError("request: expected a map with an 'op'")
+        op = req["op"]
+        now = time.time()
+        if op == "reserve":
+            nbytes = req.get("nbytes")
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                raise ValueError("nbytes: expected an integer >= 0")
+            dport = req.get("dport", self.cluster.dport)
+            if not isinstance(dport, int) or not 0 <= dport <= 0xFFFF:
+                raise ValueError("dport: expected 0..65535")
+            lease, outs = self.node.reserve(self._host_arg(req.get("dst"), "dst"), nbytes, now, dport)
+            self._emit(outs, None)
+            return {"ok": True, "lease": _lease_dict(lease)}
+        if op in ("renew", "release"):
+            f = req.get("flow")
+            if not (isinstance(f, list) and len(f) == 2 and all(isinstance(x, int) for x in f)):
+                raise ValueError("flow: expected [host, seq]")
+            flow = (f[0], f[1])
+            if op == "renew":
+                lease, outs = self.node.renew(flow, now)
+                self._emit(outs, None)
+                return {"ok": True, "lease": _lease_dict(lease)}
+            self._emit(self.node.release(flow, now), None)
+            return {"ok": True}
+        if op == "status":
+            st = self.node.status(now)
+            st["name"] = self.me.name
+            st["peers"] = {self.peers[int(p)].name: v for p, v in st["peers"].items()}
+            samples = list(self.node.propagation_s)
+            st["propagation_samples"] = samples[-int(req.get("samples", 0)):] if req.get("samples") else []
+            st["propagation_count"] = len(samples)
+            return {"ok": True, "status": st}
+        if op == "ports":
+            peer = self._host_arg(req.get("peer"), "peer")
+            dport = req.get("dport", self.cluster.dport)
+            pm = self.cluster.pathmaps()(self.me.index, peer, dport)
+            ports = [int(b[0]) if len(b) else -1 for b in pm.buckets]
+            return {"ok": True, "ports": ports}
+        if op == "table":
+            table = self.node.core.table()
+            return {"ok": True, "flows": [[f[0], f[1], p, sh] for f, (p, sh) in sorted(table.items())],
+                    "digest": self.node.core.digest()}
+        if op == "metrics":
+            from prometheus_client import generate_latest
+
+            return {"ok": True, "text": generate_latest(self.metrics_registry()).decode()}
+        raise ValueError(f"op: must be one of reserve, renew, release, status, table, ports, metrics; got {op!r}")
+
+    # ------------------------------------------------------------------ metrics
+    def metrics_registry(self) -> Any:
+        if self.registry is None:
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry()
+            self.registry.register(_Collector(self))
+        return self.registry
+
+
+def _lease_dict(lease: Any) -> dict[str, Any]:
+    d = lease._asdict()
+    d["flow_id"] = list(lease.flow_id)
+    return dict(d)
+
+
+class _Collector:
+    """Prometheus view of the node's counters and RESERVE propagation latency."""
+
+    BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        node = self.agent.node
+        c, n = node.core.counters, node.counters
+        host = self.agent.me.name
+        for name, value, doc in (
+            ("ark_reservations", c.reserved, "reservations made by this host"),
+            ("ark_requests", c.requests, "path requests from local engines"),
+            ("ark_races_lost", c.races_lost, "local flows re-pathed after a race"),
+            ("ark_fallbacks", c.fallbacks, "requests that found no free path"),
+            ("ark_renewals", c.renewals, "lease renewals applied"),
+            ("ark_expired", c.expired, "reservations whose lease ran out"),
+            ("ark_invalid_messages", n.invalid + c.invalid, "malformed or unauthorised peer messages dropped"),
+            ("ark_dropped_messages", n.dropped + c.duplicates + c.stale, "duplicate or stale peer messages dropped"),
+            ("ark_sequence_gaps", n.gaps, "gaps in a peer's sequence numbers"),
+            ("ark_syncs_applied", n.sync_applied, "table resynchronisations applied"),
+        ):
+            m = CounterMetricFamily(name, doc, labels=["host"])
+            m.add_metric([host], value)
+            yield m
+        g = GaugeMetricFamily("ark_reserved_links", "links this host's table holds", labels=["host"])
+        g.add_metric([host], len(node.core.link_holders()))
+        yield g
+        samples = list(node.propagation_s)
+        buckets, acc = [], 0
+        for b in self.BUCKETS:
+            acc = sum(1 for s in samples if s <= b)
+            buckets.append((str(b), acc))
+        buckets.append(("+Inf", len(samples)))
+        h = HistogramMetricFamily("ark_reserve_propagation_seconds", "RESERVE ts to arrival here", labels=["host"])
+        h.add_metric([host], buckets, sum_value=math.fsum(samples))
+        yield h
+
+
+def run_agent(cluster: Cluster, host: str, secret_key_file: str | None = None, log_level: str = "info") -> None:
+    setup_logging(log_level)
+    Agent(cluster, host, secret_key_file).run()

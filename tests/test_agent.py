@@ -1,0 +1,273 @@
+"""Real agent processes over ZeroMQ on loopback: API, leases, kills, security, fuzzing."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import msgpack
+import pytest
+import zmq
+import zmq.auth
+
+from ark import cluster as clmod
+from ark.client import ArkClient, ArkClientError
+from ark.loopback import AgentProcs, run_cluster, write_cluster
+from ark.messages import Release, Reserve, encode
+from ark.node import K_DATA, K_HELLO, encode_envelope
+
+
+@pytest.fixture()
+def trio(tmp_path):
+    """Three running agents plus a fourth listed host ("X") that no agent runs."""
+    (tmp_path / "api").mkdir()
+    cfile, names = write_cluster(tmp_path, 3, lease_min_s=0.6, heartbeat_s=0.1, extra_hosts=1)
+    procs = AgentProcs(cfile, names, tmp_path)
+    running = names[:3]
+    for n in running:
+        procs.start(n)
+    procs.wait_ready(running)
+    cl = clmod.load(cfile)
+    yield procs, cl, running, names[3]
+    procs.stop_all()
+
+
+def tables(procs, names):
+    out = {}
+    for n in names:
+        with ArkClient(procs.api(n)) as c:
+            out[n] = c.call({"op": "table"})
+    return out
+
+
+def other_leaf(cl, name):
+    me = cl.fabric.hosts[cl.host(name).index].leaf
+    return next(h.name for h in cl.hosts if cl.fabric.hosts[h.index].leaf != me)
+
+
+def test_reserve_renew_release_over_real_sockets(trio) -> None:
+    procs, cl, running, _x = trio
+    src = running[0]
+    dst = other_leaf(cl, src)
+    with ArkClient(procs.api(src)) as c:
+        lease = c.reserve(dst, 10**6)
+        assert lease.reserved and 49152 <= lease.src_port <= 65535 and lease.flow_label is not None
+        assert cl.pathmaps()(cl.host(src).index, cl.host(dst).index, 4791).path_of(lease.src_port) == lease.path
+        time.sleep(0.2)
+        t = tables(procs, running)
+        assert len({v["digest"] for v in t.values()}) == 1
+        assert all([lease.flow_id[0], lease.flow_id[1]] == v["flows"][0][:2] for v in t.values())
+        renewed = c.renew(lease.flow_id)
+        assert renewed.expires > lease.expires
+        c.release(lease.flow_id)
+        time.sleep(0.2)
+        assert all(v["flows"] == [] for v in tables(procs, running).values())
+        with pytest.raises(ArkClientError, match="not an active local flow"):
+            c.release(lease.flow_id)
+        with pytest.raises(ArkClientError, match="dst"):
+            c.call({"op": "reserve", "dst": "nosuch", "nbytes": 1})
+        with pytest.raises(ArkClientError, match="op: must be one of"):
+            c.call({"op": "explode"})
+        assert "ark_reservations" in c.metrics()
+        ports = c.ports(dst)
+        assert len(ports) == 4 and len(set(ports)) == 4
+
+
+def test_lease_context_manager_renews_until_exit(trio) -> None:
+    procs, cl, running, _x = trio
+    src = running[1]
+    with ArkClient(procs.api(src)) as c, c.lease(other_leaf(cl, src), 10**6) as lease:
+        time.sleep(1.5)  # more than two lease periods: only renewals keep it alive
+        t = tables(procs, running)
+        assert all(any(f[:2] == list(lease.flow_id) for f in v["flows"]) for v in t.values())
+    time.sleep(0.2)
+    assert all(v["flows"] == [] for v in tables(procs, running).values())
+
+
+def test_unknown_key_can_neither_subscribe_nor_inject(trio, tmp_path) -> None:
+    procs, cl, running, x = trio
+    target = cl.host(running[0])
+    ctx = zmq.Context()
+    try:
+        # A stranger with its own key pair subscribes to a real agent: ZAP refuses it.
+        spub, ssec = zmq.curve_keypair()
+        rogue = ctx.socket(zmq.SUB)
+        rogue.curve_publickey, rogue.curve_secretkey = spub, ssec
+        rogue.curve_serverkey = target.public_key.encode()
+        rogue.setsockopt(zmq.SUBSCRIBE, b"")
+        rogue.connect(target.control)
+        # The same agent, subscribed with a listed key (X's), does get HELLOs.
+        xpub, xsec = zmq.auth.load_certificate(str(tmp_path / "keys" / f"{x}.key_secret"))
+        legit = ctx.socket(zmq.SUB)
+        legit.curve_publickey, legit.curve_secretkey = xpub, xsec
+        legit.curve_serverkey = target.public_key.encode()
+        legit.setsockopt(zmq.SUBSCRIBE, b"")
+        legit.connect(target.control)
+        assert legit.poll(3000), "a listed key should receive heartbeats"
+        assert not rogue.poll(1000), "a stranger must receive nothing"
+        # A stranger binds X's control address with its own keys: agents pinned to X's
+        # server key cannot complete the handshake, so nothing it says arrives.
+        impostor = ctx.socket(zmq.PUB)
+        impostor.curve_server = True
+        impostor.curve_publickey, impostor.curve_secretkey = spub, ssec
+        impostor.bind(cl.host(x).control)
+        xi = cl.host(x).index
+        before = tables(procs, running)
+        for k in range(200):
+            m = Reserve((xi, 1000 + k), time.time(), xi, cl.host(running[0]).index, 4791, 0, 49152, 10**9, 1e11, False, time.time() + 5)
+            impostor.send(encode_envelope(K_DATA, xi, 1, k + 1, encode(m)))
+            time.sleep(0.002)
+        time.sleep(0.3)
+        assert tables(procs, running) == before
+        for n in running:
+            with ArkClient(procs.api(n)) as c:
+                st = c.status()
+                assert not st["peers"][x]["up"]
+    finally:
+        ctx.destroy(0)
+
+
+def _known_peer_socket(ctx, cl, x, tmp_path):
+    """A process holding X's real keys, publishing on X's address."""
+    xpub, xsec = zmq.auth.load_certificate(str(tmp_path / "keys" / f"{x}.key_secret"))
+    s = ctx.socket(zmq.PUB)
+    s.curve_server = True
+    s.curve_publickey, s.curve_secretkey = xpub, xsec
+    s.bind(cl.host(x).control)
+    time.sleep(1.0)  # let the agents' SUB sockets (re)connect and complete CURVE
+    return s
+
+
+def test_known_peer_cannot_reserve_in_another_hosts_name(trio, tmp_path) -> None:
+    procs, cl, running, x = trio
+    ctx = zmq.Context()
+    try:
+        s = _known_peer_socket(ctx, cl, x, tmp_path)
+        xi, victim = cl.host(x).index, cl.host(running[1]).index
+        dst = cl.host(running[0]).index
+        before = tables(procs, running)
+        now = time.time()
+        for k in range(50):
+            hello = encode_envelope(K_HELLO, xi, 7, k, [b"\0" * 8, now - 2.5])
+            s.send(hello)
+            # X claims to be the victim in the envelope, then speaks for the victim's flows.
+            forged = Reserve((victim, 10**6 + k), now, victim, dst, 4791, 0, 49152, 10**9, 1e11, False, now + 5)
+            s.send(encode_envelope(K_DATA, victim, 7, k + 1, encode(forged)))
+            s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(forged)))
+            s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(Release((victim, 1), now))))
+            time.sleep(0.005)
+        time.sleep(0.3)
+        after = tables(procs, running)
+        assert after == before
+        for n in running:
+            with ArkClient(procs.api(n)) as c:
+                st = c.status()
+            assert st["node"]["invalid"] + st["core"]["invalid"] >= 100, st["node"]
+    finally:
+        ctx.destroy(0)
+
+
+def test_fuzzed_messages_are_counted_and_dropped(trio, tmp_path) -> None:
+    procs, cl, running, x = trio
+    ctx = zmq.Context()
+    rng = random.Random(5)
+    try:
+        s = _known_peer_socket(ctx, cl, x, tmp_path)
+        xi = cl.host(x).index
+        dst = cl.host(running[0]).index
+        good = encode(Reserve((xi, 1), time.time(), xi, dst, 4791, 0, 49152, 10**9, 1e11, False, time.time() + 5))
+        valid_env = encode_envelope(K_DATA, xi, 9, 1, good)
+        before = tables(procs, running)
+        for k in range(3000):
+            kind = k % 6
+            if kind == 0:
+                data = rng.randbytes(rng.randint(0, 64))
+            elif kind == 1:
+                data = valid_env[: rng.randint(0, len(valid_env) - 1)]  # truncated
+            elif kind == 2:
+                b = bytearray(valid_env)
+                b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+                data = bytes(b)
+            elif kind == 3:
+                data = encode_envelope(K_DATA, xi, 9, 10 + k, b"\x90" * 5000)  # oversized payload
+            elif kind == 4:
+                data = msgpack.packb([99, K_DATA, xi, 9, 10 + k, good])  # wrong version
+            else:
+                data = encode_envelope(K_DATA, xi, 9, 10 + k, good[:-3])  # truncated message
+            s.send(data)
+            if k % 200 == 0:
+                time.sleep(0.01)
+        time.sleep(0.5)
+        for n in running:
+            with ArkClient(procs.api(n)) as c:
+                st = c.status()
+            assert st["ready"]
+            assert st["node"]["invalid"] + st["core"]["invalid"] >= 1000
+        # Flipped bits can make a valid reservation by X (X's own key, X's channel): the
+        # only thing that may change is X's own entries.
+        after = tables(procs, running)
+        for n in running:
+            others = [f for f in after[n]["flows"] if f[0] != xi]
+            assert others == [f for f in before[n]["flows"] if f[0] != xi]
+        assert all(p.poll() is None for p in procs.procs.values()), "no agent may crash"
+    finally:
+        ctx.destroy(0)
+
+
+def test_cluster_with_a_kill_and_restart(tmp_path) -> None:
+    res = run_cluster(4, 300, kill=1, lease_min_s=1.0, workdir=str(tmp_path))
+    assert res["flows"] >= 300 and res["leaked"] == 0
+    assert res["digests_equal"] and res["resync_before_reserve"]
+    assert res["dead_reservations_cleared_s"] is not None
+    assert res["dead_reservations_cleared_s"] <= res["lease_period_s"] + 0.5
+    assert res["invalid_messages"] == 0
+
+
+def test_cluster_file_errors_name_the_field(tmp_path) -> None:
+    cfile, _ = write_cluster(tmp_path, 2)
+    text = cfile.read_text()
+    bad = tmp_path / "bad.toml"
+    for old, new, match in [
+        ('policy = "ark"', 'policy = "greedy"', "cluster.policy"),
+        ('name = "gpu0"', 'name = "gpu99"', r"hosts\[0\].name"),
+        ("tcp://127.0.0.1:", "udp://127.0.0.1:", r"hosts\[0\].control"),
+        ("lease_min_s = 1.0", "lease_min_s = -1", "cluster.lease_min_s"),
+        ("[fabric]", "[fabric]\nbogus = 1", "fabric.bogus"),
+    ]:
+        bad.write_text(text.replace(old, new, 1))
+        with pytest.raises(clmod.ClusterError, match=match):
+            clmod.load(bad)
+    k = text.index('public_key = "') + len('public_key = "')
+    bad.write_text(text[:k] + "short" + text[k + 40:])
+    with pytest.raises(clmod.ClusterError, match="public_key"):
+        clmod.load(bad)
+
+
+def test_cli_status_ports_keygen_and_cluster(trio, tmp_path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    procs, cl, running, x = trio
+    run = lambda *a: subprocess.run([sys.executable, "-m", "ark", *a], capture_output=True, text=True, timeout=120)  # noqa: E731
+    p = run("status", "--cluster", str(procs.cluster_file), "--host", running[0], "--json")
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout)
+    assert st["ready"] and st["peers"][running[1]]["up"] and not st["peers"][x]["up"]
+    p = run("status", "--cluster", str(procs.cluster_file), "--host", running[0])
+    assert p.returncode == 0 and "peers" in p.stdout
+    dst = other_leaf(cl, running[0])
+    p = run("ports", "--cluster", str(procs.cluster_file), "--host", running[0], "--peer", dst)
+    ports = [int(v) for v in p.stdout.strip().split(",")]
+    pm = cl.pathmaps()(cl.host(running[0]).index, cl.host(dst).index, 4791)
+    assert [pm.path_of(v) for v in ports] == [0, 1, 2, 3]
+    p = run("ports", "--cluster", str(procs.cluster_file), "--host", running[0], "--peer", "nosuch")
+    assert p.returncode != 0 and p.stderr.count("\n") == 1 and "nosuch" in p.stderr
+    p = run("keygen", "--out", str(tmp_path / "k"), "--name", "h1")
+    assert p.returncode == 0 and (tmp_path / "k" / "h1.key_secret").exists()
+    p = run("cluster", "--agents", "3", "--flows", "60", "--json")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    assert res["flows"] >= 60 and res["leaked"] == 0 and res["digests_equal"]
+    p = run("agent", "--cluster", str(procs.cluster_file), "--host", "gpu77")
+    assert p.returncode != 0 and "gpu77" in p.stderr and "Traceback" not in p.stderr

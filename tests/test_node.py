@@ -1,0 +1,197 @@
+"""Node: replication, gaps, resync, leases and restarts, with direct delivery."""
+
+from __future__ import annotations
+
+import pytest
+
+from ark.messages import Reserve, encode
+from ark.node import (
+    K_DATA,
+    K_HELLO,
+    K_SYNC_REP,
+    LeasePolicy,
+    Node,
+    NotReady,
+    Publish,
+    Send,
+    decode_envelope,
+    encode_envelope,
+)
+from ark.protocol import CoreError
+from ark.simulator import PathMapCache
+from ark.topology import preset
+
+FAB = preset("paper")
+MAPS = PathMapCache(FAB)
+HOSTS = [0, 1, 8, 9]  # two prefill, two decode GPUs
+
+
+def make(host: int, inc: int = 1, **kw) -> Node:
+    return Node(host, FAB, MAPS, [h for h in HOSTS if h != host], incarnation=inc,
+                lease=LeasePolicy(min_s=1.0, slack=2.0), **kw)
+
+
+class Net:
+    """Instant, lossless delivery unless told to drop."""
+
+    def __init__(self) -> None:
+        self.nodes = {h: make(h) for h in HOSTS}
+        self.drop_to: set[int] = set()
+
+    def emit(self, src: int, outs, now: float) -> None:
+        queue = [(src, o) for o in outs]
+        while queue:
+            s, o = queue.pop(0)
+            dests = [h for h in self.nodes if h != s] if isinstance(o, Publish) else [o.peer]
+            for d in dests:
+                if d in self.drop_to:
+                    continue
+                n = self.nodes[d]
+                res = n.on_publish(s, o.data, now) if isinstance(o, Publish) else n.on_request(s, o.data, now)
+                queue.extend((d, r) for r in res)
+
+    def start(self, now: float = 0.0) -> None:
+        for h, n in self.nodes.items():
+            self.emit(h, n.start(now), now)
+        for h, n in self.nodes.items():
+            self.emit(h, n.tick(now + 1.5), now + 1.5)
+
+    def digests(self, at: float) -> set[str]:
+        return {n.core.digest(at=at) for n in self.nodes.values()}
+
+
+def test_reserve_propagates_and_release_clears() -> None:
+    net = Net()
+    net.start()
+    assert all(n.ready for n in net.nodes.values())
+    lease, outs = net.nodes[0].reserve(8, 10**9, 2.0)
+    assert lease.reserved and lease.flow_label is not None and lease.expires > 2.0
+    net.emit(0, outs, 2.0)
+    assert len(net.digests(2.0)) == 1 and lease.flow_id in net.nodes[9].core.table()
+    net.emit(0, net.nodes[0].release(lease.flow_id, 2.5), 2.5)
+    assert all(lease.flow_id not in n.core.table() for n in net.nodes.values())
+
+
+def test_not_ready_until_peers_answer() -> None:
+    n = make(0)
+    n.start(0.0)
+    with pytest.raises(NotReady):
+        n.reserve(8, 10, 0.1)
+    n.tick(0.5)  # nobody answered yet
+    assert not n.ready
+    n.tick(1.01)  # sync timeout: unreachable peers count as down
+    assert n.ready
+
+
+def test_gap_triggers_resync_and_recovers_a_lost_release() -> None:
+    net = Net()
+    net.start()
+    lease, outs = net.nodes[0].reserve(8, 10**9, 2.0)
+    net.emit(0, outs, 2.0)
+    net.drop_to = {9}
+    net.emit(0, net.nodes[0].release(lease.flow_id, 2.1), 2.1)
+    assert lease.flow_id in net.nodes[9].core.table()  # missed the RELEASE
+    net.drop_to = set()
+    net.emit(0, net.nodes[0].tick(2.6), 2.6)  # HELLO shows the gap -> sync -> repaired
+    assert net.nodes[9].counters.gaps == 1 and net.nodes[9].counters.sync_applied >= 2
+    assert lease.flow_id not in net.nodes[9].core.table()
+    assert len(net.digests(2.6)) == 1
+
+
+def test_lease_expires_when_the_client_stops_renewing() -> None:
+    net = Net()
+    net.start()
+    lease, outs = net.nodes[0].reserve(8, 10**9, 2.0)
+    net.emit(0, outs, 2.0)
+    renewed, outs = net.nodes[0].renew(lease.flow_id, 2.5)
+    net.emit(0, outs, 2.5)
+    assert renewed.expires > lease.expires
+    assert net.nodes[9].core.ends()[lease.flow_id] == pytest.approx(renewed.expires)
+    # The client vanishes: the owner releases at expiry; a peer that misses it expires it.
+    net.drop_to = {9}
+    t = renewed.expires + 0.01
+    net.emit(0, net.nodes[0].tick(t), t)
+    assert net.nodes[0].counters.local_expired == 1
+    assert lease.flow_id in net.nodes[9].core.table()
+    net.nodes[9].tick(t + 0.3)  # past the expiry grace
+    assert lease.flow_id not in net.nodes[9].core.table()
+    with pytest.raises(CoreError, match="not an active local flow"):
+        net.nodes[0].renew(lease.flow_id, t)
+
+
+def test_dead_host_reservations_vanish_within_one_lease() -> None:
+    net = Net()
+    net.start()
+    lease, outs = net.nodes[1].reserve(9, 10**9, 2.0)
+    net.emit(1, outs, 2.0)
+    del net.nodes[1]  # SIGKILL: no release, no renewals
+    end = lease.expires
+    for n in net.nodes.values():
+        n.tick(end - 0.01)
+        assert lease.flow_id in n.core.table()
+        n.tick(end + n.core.expiry_grace_s + 0.01)
+        assert lease.flow_id not in n.core.table()
+
+
+def test_restart_learns_and_releases_its_predecessors_flows() -> None:
+    net = Net()
+    net.start()
+    lease, outs = net.nodes[0].reserve(8, 10**9, 2.0)
+    net.emit(0, outs, 2.0)
+    net.nodes[0] = make(0, inc=2)  # restart: state lost
+    net.emit(0, net.nodes[0].start(3.0), 3.0)
+    assert net.nodes[0].ready
+    assert net.nodes[0].counters.predecessor_releases == 1
+    assert all(lease.flow_id not in n.core.table() for n in net.nodes.values())
+    # New flow ids never collide with the predecessor's.
+    l2, outs = net.nodes[0].reserve(8, 10**9, 3.1)
+    assert l2.flow_id[1] >> 32 == 2 and l2.path == 0
+    net.emit(0, outs, 3.1)
+    assert len(net.digests(3.1)) == 1
+
+
+def test_sender_must_match_channel_and_owner() -> None:
+    net = Net()
+    net.start()
+    peer = net.nodes[8]
+    fake = Reserve((0, 99), 2.0, 0, 9, 4791, 0, 50000, 10, 1e9, False, 3.0)
+    # Host 1 publishes a reservation in host 0's name: dropped, counted.
+    env = encode_envelope(K_DATA, 1, 1, 10_000, encode(fake))
+    before = peer.core.digest()
+    peer.on_publish(1, env, 2.0)
+    # An envelope that claims another sender than its channel: dropped.
+    peer.on_publish(1, encode_envelope(K_DATA, 0, 1, 10_001, encode(fake)), 2.0)
+    assert peer.counters.invalid == 2 and peer.core.digest() == before
+    # An unsolicited sync reply is ignored (host 9 was never asked).
+    assert peer.peers[9].sync_sent is None
+    rep = encode_envelope(K_SYNC_REP, 9, 1, 5, [[encode(fake._replace(flow=(9, 5), src=9, dst=1))], 2.0, []])
+    peer.on_request(9, rep, 2.0)
+    assert peer.core.digest() == before and peer.counters.dropped == 1
+
+
+def test_overlong_lease_is_rejected() -> None:
+    net = Net()
+    net.start()
+    peer = net.nodes[8]
+    bad = Reserve((0, 7), 2.0, 0, 9, 4791, 0, 50000, 10, 1e9, False, 2.0 + 10_000)
+    peer.on_publish(0, encode_envelope(K_DATA, 0, 1, 50, encode(bad)), 2.0)
+    assert peer.counters.invalid == 1 and peer.core.table() == {}
+
+
+def test_envelope_validation() -> None:
+    assert decode_envelope(encode_envelope(K_HELLO, 3, 1, 9, [b"12345678", 1.0])).seq == 9
+    for bad in (b"", b"\xc1", encode_envelope(9, 1, 1, 1, None), encode_envelope(K_DATA, 1, 1, 1, "str"),
+                encode_envelope(K_HELLO, 1, 1, 1, None),
+                encode_envelope(K_SYNC_REP, 1, 1, 1, [[], 1.0])):
+        with pytest.raises(Exception, match="envelope"):
+            decode_envelope(bad)
+
+
+def test_status_reports_peers_and_counters() -> None:
+    net = Net()
+    net.start()
+    st = net.nodes[0].status(1.6)
+    assert st["ready"] and set(st["peers"]) == {"1", "8", "9"}
+    assert all(p["up"] and p["synced"] for p in st["peers"].values())
+    assert st["node"]["sync_applied"] == 3
+    assert isinstance(Send(1, b""), tuple)

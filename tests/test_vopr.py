@@ -1,0 +1,107 @@
+"""The fault harness: many seeds, and a hypothesis state machine over the same model."""
+
+from __future__ import annotations
+
+import heapq
+import os
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from . import vopr
+
+DEFAULT_SEEDS = int(os.environ.get("ARK_VOPR_SEEDS", "200"))
+SLOW_SEEDS = int(os.environ.get("ARK_VOPR_SLOW_SEEDS", "10000"))
+
+
+def _run_seeds(seeds: range) -> None:
+    for s in seeds:
+        vopr.run(s)  # raises Violation naming the seed and how to rerun it
+
+
+def test_vopr_default_seeds() -> None:
+    _run_seeds(range(DEFAULT_SEEDS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", range(10))
+def test_vopr_many_seeds(chunk: int) -> None:
+    per = SLOW_SEEDS // 10
+    _run_seeds(range(100_000 + chunk * per, 100_000 + (chunk + 1) * per))
+
+
+def test_a_violation_names_its_seed() -> None:
+    sim = vopr.Sim(7)
+    with pytest.raises(vopr.Violation, match=r"seed 7, .*rerun: python -m tests.vopr 7"):
+        sim.fail("synthetic")
+
+
+def test_same_seed_same_run() -> None:
+    a, b = vopr.run(11, steps=60), vopr.run(11, steps=60)
+    assert a.t == b.t and a.seq == b.seq
+    assert [n.core.digest() for n in a.nodes if n] == [n.core.digest() for n in b.nodes if n]
+
+
+class ClusterMachine(RuleBasedStateMachine):
+    """Rules drive one simulated cluster; invariants run after every rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sim = vopr.Sim(0)
+        self.sim.faults = vopr.Faults(0.0, 0.0, 1e-3, 2e-3, 1e-4, True, True)
+
+    @rule()
+    def reserve(self) -> None:
+        self.sim.reserve()
+
+    @rule(k=st.integers(0, 50))
+    def release(self, k: int) -> None:
+        flows = sorted(self.sim.clients)
+        if flows:
+            self.sim._finish(flows[k % len(flows)])
+
+    @rule()
+    def client_dies(self) -> None:
+        self.sim.client_dies()
+
+    @rule(n=st.integers(1, 20))
+    def deliver(self, n: int) -> None:
+        for _ in range(n):
+            if not self.sim.heap:
+                return
+            self.sim.run_until(self.sim.heap[0][0])
+
+    @precondition(lambda self: any(e[2] == "msg" for e in self.sim.heap))
+    @rule(k=st.integers(0, 1000))
+    def drop(self, k: int) -> None:
+        msgs = [e for e in self.sim.heap if e[2] == "msg"]
+        victim = msgs[k % len(msgs)]
+        self.sim.heap.remove(victim)
+        heapq.heapify(self.sim.heap)
+
+    @rule()
+    def partition(self) -> None:
+        self.sim.partition()
+
+    @rule()
+    def crash(self) -> None:
+        self.sim.crash()
+
+    @rule(dt=st.sampled_from([1e-4, 1e-3, 0.02, 0.2, 0.6]))
+    def advance_time(self, dt: float) -> None:
+        self.sim.run_until(self.sim.t + dt)
+
+    @invariant()
+    def no_link_held_by_two_winners(self) -> None:
+        for i in range(vopr.N):
+            self.sim.check_host(i)
+
+    def teardown(self) -> None:
+        self.sim.quiesce()
+        self.sim.check_quiet()
+
+
+ClusterMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+TestClusterMachine = ClusterMachine.TestCase
