@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 
@@ -84,81 +85,98 @@ def test_lease_context_manager_renews_until_exit(trio) -> None:
     assert all(v["flows"] == [] for v in tables(procs, running).values())
 
 
+def _x_keys(tmp_path, x):
+    return zmq.auth.load_certificate(str(tmp_path / "keys" / f"{x}.key_secret"))
+
+
 def test_unknown_key_can_neither_subscribe_nor_inject(trio, tmp_path) -> None:
     procs, cl, running, x = trio
     target = cl.host(running[0])
     ctx = zmq.Context()
     try:
-        # A stranger with its own key pair subscribes to a real agent: ZAP refuses it.
+        # Receiving: a stranger listens on X's address with its own keys. The agents'
+        # links to X are pinned to X's public key, so the handshake fails: nothing.
         spub, ssec = zmq.curve_keypair()
-        rogue = ctx.socket(zmq.SUB)
+        rogue = ctx.socket(zmq.ROUTER)
+        rogue.curve_server = True
         rogue.curve_publickey, rogue.curve_secretkey = spub, ssec
-        rogue.curve_serverkey = target.public_key.encode()
-        rogue.setsockopt(zmq.SUBSCRIBE, b"")
-        rogue.connect(target.control)
-        # The same agent, subscribed with a listed key (X's), does get HELLOs.
-        xpub, xsec = zmq.auth.load_certificate(str(tmp_path / "keys" / f"{x}.key_secret"))
-        legit = ctx.socket(zmq.SUB)
+        rogue.bind(cl.host(x).control)
+        assert not rogue.poll(2000), "a stranger must receive nothing"
+        rogue.close(0)
+        # Control: with X's real keys on the same address, heartbeats do arrive.
+        xpub, xsec = _x_keys(tmp_path, x)
+        legit = ctx.socket(zmq.ROUTER)
+        legit.curve_server = True
         legit.curve_publickey, legit.curve_secretkey = xpub, xsec
-        legit.curve_serverkey = target.public_key.encode()
-        legit.setsockopt(zmq.SUBSCRIBE, b"")
-        legit.connect(target.control)
-        assert legit.poll(3000), "a listed key should receive heartbeats"
-        assert not rogue.poll(1000), "a stranger must receive nothing"
-        # A stranger binds X's control address with its own keys: agents pinned to X's
-        # server key cannot complete the handshake, so nothing it says arrives.
-        impostor = ctx.socket(zmq.PUB)
-        impostor.curve_server = True
-        impostor.curve_publickey, impostor.curve_secretkey = spub, ssec
-        impostor.bind(cl.host(x).control)
+        for _ in range(100):  # closing is asynchronous: wait for the port to be free
+            try:
+                legit.bind(cl.host(x).control)
+                break
+            except zmq.ZMQError:
+                time.sleep(0.05)
+        assert legit.poll(5000), "a listed key at a listed address receives heartbeats"
+        legit.close(0)
+        # Sending: a stranger connects to a real agent. ZAP refuses its key.
+        inj = ctx.socket(zmq.DEALER)
+        inj.curve_publickey, inj.curve_secretkey = spub, ssec
+        inj.curve_serverkey = target.public_key.encode()
+        inj.connect(target.control)
         xi = cl.host(x).index
         before = tables(procs, running)
+        with ArkClient(procs.api(running[0])) as c:
+            received_before = c.status()["node"]["received"]
         for k in range(200):
-            m = Reserve((xi, 1000 + k), time.time(), xi, cl.host(running[0]).index, 4791, 0, 49152, 10**9, 1e11, False, time.time() + 5)
-            impostor.send(encode_envelope(K_DATA, xi, 1, k + 1, encode(m)))
+            m = Reserve((xi, 1000 + k), time.time(), xi, target.index, 4791, 0, 49152, 10**9, 1e11, False, time.time() + 5)
+            # The refused handshake leaves no connection: sends fail or go nowhere.
+            with contextlib.suppress(zmq.Again):
+                inj.send(encode_envelope(K_DATA, xi, 1, k + 1, encode(m)), zmq.NOBLOCK)
             time.sleep(0.002)
         time.sleep(0.3)
         assert tables(procs, running) == before
-        for n in running:
-            with ArkClient(procs.api(n)) as c:
-                st = c.status()
-                assert not st["peers"][x]["up"]
+        with ArkClient(procs.api(running[0])) as c:
+            st = c.status()
+        # Only heartbeats from the two real peers arrived meanwhile, nothing from the stranger.
+        assert st["node"]["invalid"] == 0 and not st["peers"][x]["up"]
+        assert st["node"]["received"] - received_before < 200
     finally:
         ctx.destroy(0)
 
 
-def _known_peer_socket(ctx, cl, x, tmp_path):
-    """A process holding X's real keys, publishing on X's address."""
-    xpub, xsec = zmq.auth.load_certificate(str(tmp_path / "keys" / f"{x}.key_secret"))
-    s = ctx.socket(zmq.PUB)
-    s.curve_server = True
-    s.curve_publickey, s.curve_secretkey = xpub, xsec
-    s.bind(cl.host(x).control)
-    time.sleep(1.0)  # let the agents' SUB sockets (re)connect and complete CURVE
-    return s
+def _as_x(ctx, cl, x, tmp_path, running):
+    """Sockets holding X's real keys, one to each running agent."""
+    xpub, xsec = _x_keys(tmp_path, x)
+    socks = []
+    for n in running:
+        s = ctx.socket(zmq.DEALER)
+        s.curve_publickey, s.curve_secretkey = xpub, xsec
+        s.curve_serverkey = cl.host(n).public_key.encode()
+        s.connect(cl.host(n).control)
+        socks.append(s)
+    time.sleep(0.5)  # CURVE handshakes
+    return socks
 
 
 def test_known_peer_cannot_reserve_in_another_hosts_name(trio, tmp_path) -> None:
     procs, cl, running, x = trio
     ctx = zmq.Context()
     try:
-        s = _known_peer_socket(ctx, cl, x, tmp_path)
+        socks = _as_x(ctx, cl, x, tmp_path, running)
         xi, victim = cl.host(x).index, cl.host(running[1]).index
         dst = cl.host(running[0]).index
         before = tables(procs, running)
         now = time.time()
         for k in range(50):
-            hello = encode_envelope(K_HELLO, xi, 7, k, [b"\0" * 8, now - 2.5])
-            s.send(hello)
-            # X claims to be the victim in the envelope, then speaks for the victim's flows.
             forged = Reserve((victim, 10**6 + k), now, victim, dst, 4791, 0, 49152, 10**9, 1e11, False, now + 5)
-            s.send(encode_envelope(K_DATA, victim, 7, k + 1, encode(forged)))
-            s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(forged)))
-            s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(Release((victim, 1), now))))
+            for s in socks:
+                s.send(encode_envelope(K_HELLO, xi, 7, k, [b"\0" * 8, now - 2.5, now - 1.0]))
+                # The envelope claims to come from the victim: the channel says X.
+                s.send(encode_envelope(K_DATA, victim, 7, k + 1, encode(forged)))
+                # Honest envelope, but X speaks for the victim's flows.
+                s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(forged)))
+                s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(Release((victim, 1), now))))
             time.sleep(0.005)
         time.sleep(0.3)
-        after = tables(procs, running)
-        assert after == before
+        assert tables(procs, running) == before
         for n in running:
             with ArkClient(procs.api(n)) as c:
                 st = c.status()
@@ -172,7 +190,7 @@ def test_fuzzed_messages_are_counted_and_dropped(trio, tmp_path) -> None:
     ctx = zmq.Context()
     rng = random.Random(5)
     try:
-        s = _known_peer_socket(ctx, cl, x, tmp_path)
+        socks = _as_x(ctx, cl, x, tmp_path, running)
         xi = cl.host(x).index
         dst = cl.host(running[0]).index
         good = encode(Reserve((xi, 1), time.time(), xi, dst, 4791, 0, 49152, 10**9, 1e11, False, time.time() + 5))
@@ -194,7 +212,8 @@ def test_fuzzed_messages_are_counted_and_dropped(trio, tmp_path) -> None:
                 data = msgpack.packb([99, K_DATA, xi, 9, 10 + k, good])  # wrong version
             else:
                 data = encode_envelope(K_DATA, xi, 9, 10 + k, good[:-3])  # truncated message
-            s.send(data)
+            for s in socks:
+                s.send(data)
             if k % 200 == 0:
                 time.sleep(0.01)
         time.sleep(0.5)

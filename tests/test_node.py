@@ -179,7 +179,7 @@ def test_overlong_lease_is_rejected() -> None:
 
 
 def test_envelope_validation() -> None:
-    assert decode_envelope(encode_envelope(K_HELLO, 3, 1, 9, [b"12345678", 1.0])).seq == 9
+    assert decode_envelope(encode_envelope(K_HELLO, 3, 1, 9, [b"12345678", 1.0, 2.0])).seq == 9
     for bad in (b"", b"\xc1", encode_envelope(9, 1, 1, 1, None), encode_envelope(K_DATA, 1, 1, 1, "str"),
                 encode_envelope(K_HELLO, 1, 1, 1, None),
                 encode_envelope(K_SYNC_REP, 1, 1, 1, [[], 1.0])):

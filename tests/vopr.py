@@ -7,8 +7,9 @@ after every step; a violation raises :class:`Violation` naming the seed, and
 
 Invariants:
 
-* after every event, on the replica it touched: no link is held by two flows one of which claims it
-  alone (``exclusive_conflicts`` at the replica's own clock);
+* after every event, on the replica it touched: no link is held by two flows one of which
+  claims it alone (``exclusive_conflicts`` at the replica's own clock), and the
+  incrementally maintained table equals a full recomputation;
 * at quiet points (partitions healed, crashed hosts restarted, no message in flight,
   syncs done): every replica holds the same table at the same instant; every flow whose
   owner released it, or whose lease has run out, is gone everywhere; every local flow
@@ -90,6 +91,7 @@ class Sim:
         self.clients: dict[FlowId, Client] = {}
         self.gone_by: dict[FlowId, float] = {}  # flow -> true time by which it must be gone
         self.steps = 0
+        self.checks = 0
         for i in range(N):
             self._push(self.t + TICK * (i + 1) / N, "tick", (i, 1))
             node = self.nodes[i]
@@ -267,6 +269,19 @@ class Sim:
             bad = node.core.exclusive_conflicts(at=self.local(i))
             if bad:
                 self.fail(f"host {i} has links held by two winners: {bad}")
+            # The incremental paths must agree with a full recomputation (checked on
+            # every 8th event: a recomputation costs as much as the event itself).
+            self.checks += 1
+            if self.checks % 8:
+                return
+            core = node.core
+            before = ({f: (e[2], e[3]) for f, e in core.entries().items()}, core.link_holders())
+            core._recompute()
+            after = ({f: (e[2], e[3]) for f, e in core.entries().items()}, core.link_holders())
+            if before != after:
+                diff = {f: (before[0][f], after[0].get(f)) for f in before[0] if before[0][f] != after[0].get(f)}
+                self.fail(f"host {i}: incremental state differs from a recomputation: {diff} "
+                          f"holders equal: {before[1] == after[1]}")
 
     def quiesce(self, period: float = 1.0) -> None:
         """Heal, restart everyone, hold the workload, and let syncs and expiry finish.

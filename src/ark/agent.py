@@ -2,22 +2,25 @@
 
 Sockets (ZeroMQ, brokerless, every peer link CURVE-encrypted and authenticated):
 
-* PUB (CURVE server) on ``control``: this host's RESERVE / RENEW / RELEASE / HELLO;
-* one SUB per peer (CURVE client, pinned to the peer's public key): the channel names
-  the sender, so a message counts only if it comes from the host it claims;
-* ROUTER (CURVE server) on ``sync`` answers sync requests; one DEALER per peer asks;
+* inbound: one ROUTER (CURVE server) bound on ``control``. A ZAP handler admits only the
+  public keys listed in the cluster file and stamps every message with the sender's key
+  (ZMQ ``User-Id``), so a message counts only if it comes from the host it claims;
+* outbound: one DEALER per peer (CURVE client pinned to that peer's public key),
+  connected to the peer's ``control``. A broadcast (RESERVE / RENEW / RELEASE / HELLO)
+  goes out on all of them; sync requests and replies on one;
 * ROUTER on ``api`` (ipc://, local only): the serving engines' reserve / renew /
-  release / status / ports / metrics requests.
+  release / status / table / ports / metrics requests.
 
-A ZAP handler admits only the public keys listed in the cluster file, so a stranger can
-neither subscribe nor ask for a snapshot, and it cannot pose as a listed peer without
-that peer's secret key. Time is the wall clock (hosts are assumed PTP-synchronised, as
+Why not PUB/SUB sockets: a SUB per peer costs the receiver a wakeup and a poll slot per
+peer, and a single SUB cannot tell senders apart. The inbound ROUTER gives one socket to
+poll and an authenticated sender per message. A stranger can neither receive (our
+DEALERs only talk to listed keys at listed addresses) nor send (ZAP refuses its key),
+and it cannot pose as a listed peer without that peer's secret key. Time is the wall clock (hosts are assumed PTP-synchronised, as
 the protocol's race rule requires).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -35,7 +38,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from ark.cluster import Cluster, ClusterError, HostEntry, read_secret_key
 from ark.messages import ProtocolError
-from ark.node import LeasePolicy, Node, NotReady, Output, Publish, Send
+from ark.node import LeasePolicy, Node, NotReady, Output, Publish
 from ark.protocol import CoreError
 
 API_MAX_BYTES = 4096
@@ -96,7 +99,7 @@ class Agent:
         )
         self._stop = False
         self._up: dict[int, bool] = {}
-        self._rid: dict[int, bytes] = {}
+        self.dropped_out = 0
         self._key_host = {h.public_key.encode(): h.index for h in cluster.hosts}
         self.registry: Any = None
 
@@ -114,15 +117,11 @@ class Agent:
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
         self.auth.configure_curve_callback(domain="*", credentials_provider=_Keys(h.public_key for h in self.cluster.hosts))
-        self.pub = ctx.socket(zmq.PUB)
-        self._curve(self.pub, None)
-        self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        self.pub.setsockopt(zmq.LINGER, 0)
-        self.pub.bind(self.me.control)
-        self.router = ctx.socket(zmq.ROUTER)
-        self._curve(self.router, None)
-        self.router.setsockopt(zmq.LINGER, 0)
-        self.router.bind(self.me.sync)
+        self.inbox = ctx.socket(zmq.ROUTER)
+        self._curve(self.inbox, None)
+        self.inbox.setsockopt(zmq.RCVHWM, 100_000)
+        self.inbox.setsockopt(zmq.LINGER, 0)
+        self.inbox.bind(self.me.control)
         if self.me.api.startswith("ipc://"):
             path = Path(self.me.api[len("ipc://"):])
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,33 +134,24 @@ class Agent:
             self.api.bind(self.me.api)
         finally:
             os.umask(old)
-        self.subs: dict[zmq.Socket, int] = {}
-        self.dealers: dict[int, zmq.Socket] = {}
+        self.out: dict[int, zmq.Socket] = {}
         for idx, h in self.peers.items():
-            s = ctx.socket(zmq.SUB)
-            self._curve(s, h.public_key)
-            s.setsockopt(zmq.SUBSCRIBE, b"")
-            s.setsockopt(zmq.RCVHWM, 100_000)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(h.control)
-            self.subs[s] = idx
             d = ctx.socket(zmq.DEALER)
             self._curve(d, h.public_key)
+            d.setsockopt(zmq.SNDHWM, 10_000)
             d.setsockopt(zmq.LINGER, 0)
-            d.setsockopt(zmq.SNDHWM, 1000)
-            d.connect(h.sync)
-            self.dealers[idx] = d
-        self.dealer_peer = {d: i for i, d in self.dealers.items()}
+            d.connect(h.control)
+            self.out[idx] = d
         self.poller = zmq.Poller()
-        for s in [self.router, self.api, *self.subs, *self.dealers.values()]:
-            self.poller.register(s, zmq.POLLIN)
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.api, zmq.POLLIN)
         if self.me.metrics_port is not None:
             from prometheus_client import start_http_server
 
             start_http_server(self.me.metrics_port, addr="127.0.0.1", registry=self.metrics_registry())
 
     def _close(self) -> None:
-        for s in [self.pub, self.router, self.api, *self.subs, *self.dealers.values()]:
+        for s in [self.inbox, self.api, *self.out.values()]:
             s.close(0)
         self.auth.stop()
         self.ctx.term()
@@ -178,7 +168,7 @@ class Agent:
         signal.signal(signal.SIGINT, self.stop)
         log.info(**_ev("agent_started", host=self.me.name, id=self.me.index, incarnation=self.node.incarnation,
                        peers=len(self.peers), control=self.me.control, api=self.me.api))
-        self._emit(self.node.start(time.time()), None)
+        self._emit(self.node.start(time.time()))
         tick_every = min(0.05, self.cluster.heartbeat_s / 4)
         next_tick = time.time()
         was_ready = False
@@ -190,7 +180,7 @@ class Agent:
                     self._drain(sock)
                 now = time.time()
                 if now >= next_tick:
-                    self._emit(self.node.tick(now), None)
+                    self._emit(self.node.tick(now))
                     self._watch_peers(now)
                     next_tick = now + tick_every
                 if self.node.ready and not was_ready:
@@ -204,45 +194,34 @@ class Agent:
             log.info(**_ev("agent_stopped", host=self.me.name))
             self._close()
 
-    def _drain(self, sock: zmq.Socket, limit: int = 512) -> None:
+    def _drain(self, sock: zmq.Socket, limit: int = 1024) -> None:
         for _ in range(limit):
-            try:
-                if sock is self.api:
-                    self._api(sock.recv_multipart(zmq.NOBLOCK))
-                elif sock is self.router:
-                    self._sync_request(sock.recv_multipart(zmq.NOBLOCK, copy=False))
-                elif sock in self.subs:
-                    data = sock.recv(zmq.NOBLOCK)
-                    self._emit(self.node.on_publish(self.subs[sock], data, time.time()), None)
-                else:
-                    data = sock.recv(zmq.NOBLOCK)
-                    self._emit(self.node.on_request(self.dealer_peer[sock], data, time.time()), None)
-            except zmq.Again:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
+            if sock is self.api:
+                self._api(sock.recv_multipart())
+                continue
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) != 2:
+                self.node.counters.invalid += 1
+                continue
+            user = frames[1].get("User-Id")
+            peer = self._key_host.get(user.encode() if isinstance(user, str) else b"")
+            if peer is None or peer == self.me.index:
+                self.node.counters.invalid += 1
+                continue
+            self._emit(self.node.on_message(peer, frames[1].bytes, time.time()))
 
-    def _sync_request(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) != 2:
-            self.node.counters.invalid += 1
-            return
-        rid, body = frames
-        user = body.get("User-Id")
-        peer = self._key_host.get(user.encode() if isinstance(user, str) else b"")
-        if peer is None or peer == self.me.index:
-            self.node.counters.invalid += 1
-            return
-        self._rid[peer] = rid.bytes
-        self._emit(self.node.on_request(peer, body.bytes, time.time()), rid.bytes)
-
-    def _emit(self, outs: list[Output], reply_to: bytes | None) -> None:
+    def _emit(self, outs: list[Output]) -> None:
         for o in outs:
-            if isinstance(o, Publish):
-                self.pub.send(o.data)
-            elif isinstance(o, Send):
-                if reply_to is not None:
-                    self.router.send_multipart([reply_to, o.data])
-                else:
-                    with contextlib.suppress(zmq.Again):  # unreachable peer: the node retries
-                        self.dealers[o.peer].send(o.data, zmq.NOBLOCK)
+            targets = self.out.values() if isinstance(o, Publish) else (self.out[o.peer],)
+            for sock in targets:
+                try:
+                    sock.send(o.data, zmq.NOBLOCK)
+                except zmq.Again:
+                    # The peer has been unreachable for a while (queue full): drop. Its
+                    # sequence numbers show it the gap, and it resyncs when it is back.
+                    self.dropped_out += 1
 
     def _watch_peers(self, now: float) -> None:
         for p, st in self.node.peers.items():
@@ -293,7 +272,7 @@ class Agent:
             if not isinstance(dport, int) or not 0 <= dport <= 0xFFFF:
                 raise ValueError("dport: expected 0..65535")
             lease, outs = self.node.reserve(self._host_arg(req.get("dst"), "dst"), nbytes, now, dport)
-            self._emit(outs, None)
+            self._emit(outs)
             return {"ok": True, "lease": _lease_dict(lease)}
         if op in ("renew", "release"):
             f = req.get("flow")
@@ -302,9 +281,9 @@ class Agent:
             flow = (f[0], f[1])
             if op == "renew":
                 lease, outs = self.node.renew(flow, now)
-                self._emit(outs, None)
+                self._emit(outs)
                 return {"ok": True, "lease": _lease_dict(lease)}
-            self._emit(self.node.release(flow, now), None)
+            self._emit(self.node.release(flow, now))
             return {"ok": True}
         if op == "status":
             st = self.node.status(now)
@@ -391,4 +370,15 @@ class _Collector:
 
 def run_agent(cluster: Cluster, host: str, secret_key_file: str | None = None, log_level: str = "info") -> None:
     setup_logging(log_level)
-    Agent(cluster, host, secret_key_file).run()
+    agent = Agent(cluster, host, secret_key_file)
+    prof_dir = os.environ.get("ARK_AGENT_PROFILE")
+    if not prof_dir:
+        agent.run()
+        return
+    import cProfile  # a developer aid: where does an agent spend its time?
+
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(agent.run)
+    finally:
+        prof.dump_stats(str(Path(prof_dir) / f"{host}.prof"))

@@ -19,8 +19,7 @@ Example::
 
     [[hosts]]
     name = "gpu0"                  # a host of the fabric
-    control = "tcp://10.9.0.1:7100"  # publish socket (bind address), on the management network
-    sync = "tcp://10.9.0.1:7101"     # sync request socket
+    control = "tcp://10.9.0.1:7100"  # where this agent listens for its peers (management network)
     api = "ipc:///run/ark/gpu0.sock" # local API for serving engines on this host
     public_key = "<40 z85 characters>"
     secret_key_file = "keys/gpu0.key_secret"  # optional; --secret-key overrides
@@ -56,7 +55,6 @@ class HostEntry:
     name: str
     index: int  # the fabric host index, which is the protocol's host id
     control: str
-    sync: str
     api: str
     public_key: str
     secret_key_file: str | None
@@ -141,7 +139,7 @@ _CLUSTER_KEYS = (
     "policy", "dport", "port_range", "lease_min_s", "lease_slack", "heartbeat_s", "peer_timeout_s",
     "sync_timeout_s", "retention_s", "pathmap_dir",
 )
-_HOST_KEYS = ("name", "control", "sync", "api", "public_key", "secret_key_file", "metrics_port")
+_HOST_KEYS = ("name", "control", "api", "public_key", "secret_key_file", "metrics_port")
 
 
 def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
@@ -198,7 +196,7 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
             raise ClusterError(f"{where}.name: {name!r} listed twice")
         seen.add(name)
         eps = {}
-        for k in ("control", "sync", "api"):
+        for k in ("control", "api"):
             v = _get(h, k, str, where, required=True)
             if not _ENDPOINT.match(v):
                 raise ClusterError(f"{where}.{k}: must be tcp://HOST:PORT or ipc://PATH; got {v!r}")
@@ -212,7 +210,7 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
         mport = _get(h, "metrics_port", int, where)
         if mport is not None and not 1 <= mport <= 65535:
             raise ClusterError(f"{where}.metrics_port: must be 1..65535; got {mport}")
-        hosts.append(HostEntry(name, names[name], eps["control"], eps["sync"], eps["api"], key, secret, mport))
+        hosts.append(HostEntry(name, names[name], eps["control"], eps["api"], key, secret, mport))
     keys = [h.public_key for h in hosts]
     if len(set(keys)) != len(keys):
         raise ClusterError("hosts.public_key: every host needs its own key")

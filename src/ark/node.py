@@ -163,10 +163,10 @@ def decode_envelope(data: bytes) -> Envelope:
     if kind == K_DATA and not isinstance(payload, bytes):
         raise ProtocolError("envelope payload: data needs bytes")
     if kind == K_HELLO and (
-        not isinstance(payload, list) or len(payload) != 2 or not isinstance(payload[0], bytes)
-        or type(payload[1]) is not float or not math.isfinite(payload[1])
+        not isinstance(payload, list) or len(payload) != 3 or not isinstance(payload[0], bytes)
+        or not all(type(v) is float and math.isfinite(v) for v in payload[1:])
     ):
-        raise ProtocolError("envelope payload: hello needs [digest bytes, float]")
+        raise ProtocolError("envelope payload: hello needs [digest bytes, since, until]")
     if kind == K_SYNC_REP and (
         not isinstance(payload, list)
         or len(payload) != 3
@@ -224,6 +224,7 @@ class Node:
         self.heartbeat_s, self.peer_timeout_s, self.sync_timeout_s = heartbeat_s, peer_timeout_s, sync_timeout_s
         self.counters = NodeCounters()
         self.max_lease_s = 600.0  # a lease longer than this from a peer is malformed
+        self.digest_lag_s = 0.3  # anti-entropy compares ends at least this old
         self.propagation_s: deque[float] = deque(maxlen=latency_samples)
         self.ready = False
         self._started_at: float | None = None
@@ -290,19 +291,47 @@ class Node:
         return list(self._local)
 
     # ------------------------------------------------------------------ network input
-    def on_publish(self, peer: int, data: bytes, now: float) -> list[Output]:
-        """Bytes from ``peer``'s publish socket (the channel names the peer)."""
+    def on_message(self, peer: int, data: bytes, now: float) -> list[Output]:
+        """Any envelope from ``peer`` on a channel that authenticates the peer."""
         self.counters.received += 1
-        st = self.peers.get(peer)
-        if st is None:
-            self.counters.invalid += 1
-            return []
         try:
             env = decode_envelope(data)
         except ProtocolError:
             self.counters.invalid += 1
             return []
-        if env.sender != peer or env.kind not in (K_DATA, K_HELLO):
+        if env.kind in (K_DATA, K_HELLO):
+            return self._published(peer, env, now)
+        return self._point_to_point(peer, env, now)
+
+    def on_publish(self, peer: int, data: bytes, now: float) -> list[Output]:
+        """Bytes from ``peer``'s broadcast (the channel names the peer)."""
+        self.counters.received += 1
+        try:
+            env = decode_envelope(data)
+        except ProtocolError:
+            self.counters.invalid += 1
+            return []
+        if env.kind not in (K_DATA, K_HELLO):
+            self.counters.invalid += 1
+            return []
+        return self._published(peer, env, now)
+
+    def on_request(self, peer: int, data: bytes, now: float) -> list[Output]:
+        """A point-to-point message from ``peer``: a sync request or a sync reply."""
+        self.counters.received += 1
+        try:
+            env = decode_envelope(data)
+        except ProtocolError:
+            self.counters.invalid += 1
+            return []
+        if env.kind not in (K_SYNC_REQ, K_SYNC_REP):
+            self.counters.invalid += 1
+            return []
+        return self._point_to_point(peer, env, now)
+
+    def _published(self, peer: int, env: Envelope, now: float) -> list[Output]:
+        st = self.peers.get(peer)
+        if st is None or env.sender != peer:
             self.counters.invalid += 1
             return []
         if st.incarnation is not None and env.incarnation < st.incarnation:
@@ -321,7 +350,7 @@ class Node:
                 out.extend(self._request_sync(peer, now))
             elif (
                 st.synced
-                and env.payload[0] != self.core.state_digest(env.payload[1])
+                and env.payload[0] != self.core.state_digest(env.payload[1], env.payload[2])
                 and (st.sync_sent is None or now - st.sync_sent >= self.sync_timeout_s)
             ):
                 # Same sequence numbers but different message sets (a message lost from
@@ -353,16 +382,9 @@ class Node:
             self.propagation_s.append(now - msg.ts)
         return out
 
-    def on_request(self, peer: int, data: bytes, now: float) -> list[Output]:
-        """A point-to-point message from ``peer``: a sync request or a sync reply."""
-        self.counters.received += 1
+    def _point_to_point(self, peer: int, env: Envelope, now: float) -> list[Output]:
         st = self.peers.get(peer)
-        try:
-            env = decode_envelope(data)
-        except ProtocolError:
-            self.counters.invalid += 1
-            return []
-        if st is None or env.sender != peer or env.kind not in (K_SYNC_REQ, K_SYNC_REP):
+        if st is None or env.sender != peer:
             self.counters.invalid += 1
             return []
         st.last_heard = now
@@ -405,9 +427,9 @@ class Node:
 
     # ------------------------------------------------------------------ internals
     def _expiry(self, flow: FlowId, now: float, nbytes: int) -> float:
-        ent = self.core.entries().get(flow)
-        if ent is not None and ent[0].expires != math.inf:
-            return self.core.ends()[flow]
+        end = self.core.end_of(flow)
+        if end is not None and end != math.inf:
+            return end
         # Not reserved (intra-leaf or ECMP fallback): the same lease, kept locally.
         dst, path, _port, _res = self.core.local_flows()[flow]
         return now + self.lease(nbytes, self.core.routes.path_rate_bps(self.host, dst, path))
@@ -432,8 +454,11 @@ class Node:
 
     def _hello(self, now: float) -> list[Output]:
         self._next_hello = now + self.heartbeat_s
+        # Ends between half the retention ago and digest_lag_s ago: settled on every
+        # replica that has the same messages (nothing of it is in flight any more).
         since = float(now - self.core.retention_s / 2)
-        payload = [self.core.state_digest(since), since]
+        until = float(now - self.digest_lag_s)
+        payload = [self.core.state_digest(since, until), since, until]
         return [Publish(encode_envelope(K_HELLO, self.host, self.incarnation, self._out_seq, payload))]
 
     def _request_sync(self, peer: int, now: float) -> list[Output]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 import random
 from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
@@ -76,6 +77,8 @@ class Routes(Protocol):
 PathMaps = Callable[[int, int, int], PathMap]  # (src, dst, dport) -> map
 LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seconds
 INF = float("inf")
+_NO_END_BUCKET = 2**62
+_BUCKETS_PER_S = 10
 
 
 class CoreError(ValueError):
@@ -159,6 +162,7 @@ class Counters:
     stale: int = 0
     invalid: int = 0
     recomputes: int = 0
+    partial_recomputes: int = 0
 
 
 @dataclass
@@ -225,6 +229,11 @@ class ArkCore:
         self._max_released = -INF
         self._expired_upto = -INF  # entries ending at or before this hold nothing
         self._end_heap: list[tuple[float, FlowId]] = []  # for expiry
+        # Entries whose end is after _expired_upto: all a partial recomputation needs
+        # to know about the past.
+        self._live: set[FlowId] = set()
+        self._digest_buckets: dict[int, int] = {}
+        self._digest_of: dict[FlowId, tuple[int, int]] = {}
         self._purge_heap: list[tuple[float, FlowId]] = []  # for forgetting
         self._rates: dict[tuple[int, int], float] = {}
         self._horizon = -INF
@@ -411,7 +420,10 @@ class ArkCore:
             while heap and heap[0][0] <= upto:
                 end, flow = heapq.heappop(heap)
                 e = self._entries.get(flow)
-                if e is None or e.end != end or not e.held:
+                if e is None or e.end != end:
+                    continue
+                self._live.discard(flow)
+                if not e.held:
                     continue
                 self._unhold(flow, self._links(e.msg, e.path))  # type: ignore[arg-type]
                 if e.released is None:
@@ -430,6 +442,8 @@ class ArkCore:
                 if e.held:  # unreachable: the grace is shorter than the retention
                     self._unhold(flow, self._links(e.msg, e.path))  # type: ignore[arg-type]
                 del self._entries[flow]
+                self._live.discard(flow)
+                self._digest_set(flow, None)
                 i = bisect_left(self._keys, e.msg.key)
                 del self._keys[i]
                 # Later reservations that started while this one was active keep the
@@ -503,13 +517,27 @@ class ArkCore:
         """Each known reservation's end: min(release ts, lease expiry)."""
         return {f: e.end for f, e in self._entries.items()}
 
-    def state_digest(self, since: float) -> bytes:
-        """Digest of what this replica knows about reservations ending at or after
-        ``since``: (flow, end) pairs. Equal message sets give equal digests."""
-        h = hashlib.blake2b(digest_size=8)
-        for f in sorted(f for f, e in self._entries.items() if e.end >= since):
-            h.update(f"{f[0]}:{f[1]}:{self._entries[f].end!r};".encode())
-        return h.digest()
+    def state_digest(self, since: float, until: float = INF) -> bytes:
+        """Digest of what this replica knows about reservations ending in
+        [``since``, ``until``): (flow, end) pairs. Equal message sets give equal digests.
+
+        Bounds are rounded down to 100 ms. A window that closes a little in the past
+        ignores what is still in flight or still being renewed."""
+        # XOR of per-entry hashes kept per 100 ms of end time: order-free and cheap.
+        # Python's hash of ints and floats is not salted, so every process computes
+        # the same value.
+        lo = math.floor(since * _BUCKETS_PER_S)
+        hi = _NO_END_BUCKET + 1 if until == INF else math.floor(until * _BUCKETS_PER_S)
+        x = 0
+        for b, v in self._digest_buckets.items():
+            if lo <= b < hi:
+                x ^= v
+        return (x & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
+
+    def end_of(self, flow: FlowId) -> float | None:
+        """The end of a known reservation (min of release and lease expiry)."""
+        e = self._entries.get(flow)
+        return None if e is None else e.end
 
     def digest(self, at: float | None = None) -> str:
         """Order-independent digest of :meth:`table` (paths, not ports)."""
@@ -619,8 +647,28 @@ class ArkCore:
             return msg.path, True
         return None, False
 
+    def _digest_set(self, flow: FlowId, end: float | None) -> None:
+        old = self._digest_of.pop(flow, None)
+        if old is not None:
+            b, h = old
+            v = self._digest_buckets[b] ^ h
+            if v:
+                self._digest_buckets[b] = v
+            else:
+                del self._digest_buckets[b]
+        if end is not None:
+            b = _NO_END_BUCKET if end == INF else math.floor(end * _BUCKETS_PER_S)
+            h = hash((flow[0], flow[1], end))
+            self._digest_buckets[b] = self._digest_buckets.get(b, 0) ^ h
+            self._digest_of[flow] = (b, h)
+
     def _push_end(self, entry: _Entry) -> None:
         end = entry.end
+        self._digest_set(entry.msg.flow, end)
+        if end > self._expired_upto:
+            self._live.add(entry.msg.flow)
+        else:
+            self._live.discard(entry.msg.flow)
         if end != INF:
             heapq.heappush(self._end_heap, (end, entry.msg.flow))
             heapq.heappush(self._purge_heap, (end, entry.msg.flow))
@@ -649,7 +697,7 @@ class ArkCore:
             fast = False
         self._push_end(entry)
         if not fast:
-            return self._recompute()
+            return self._recompute_from(key)
         holders = self._holders
         stages = self._stage_list(msg.src, msg.dst)
         links = [st[msg.path] for st in stages]
@@ -693,16 +741,16 @@ class ArkCore:
         old_end = entry.end
         entry.released = msg.ts
         new_end = entry.end
-        if new_end == old_end:  # released after its lease had already run out
-            return []
         self._push_end(entry)
+        # Invariant of the fast insert path: every released entry is out of the holders
+        # index and its end is <= _max_released.
         self._max_released = max(self._max_released, new_end)
-        if self._later_start_at_or_after(entry, new_end):
-            # Someone reserved at or after this release instant: their evaluation
-            # may change now that this flow is known to be gone by then.
-            return self._recompute()
         if entry.held:
             self._unhold(msg.flow, self._links(entry.msg, entry.path))  # type: ignore[arg-type]
+        if new_end != old_end and self._later_start_at_or_after(entry, new_end):
+            # Someone reserved at or after this release instant: their evaluation
+            # may change now that this flow is known to be gone by then.
+            return self._recompute_from((new_end, -1, -1))
         return []
 
     def _apply_renew(self, entry: _Entry, msg: Renew) -> list[Repath]:
@@ -710,12 +758,16 @@ class ArkCore:
         entry.expires, entry.renew_ts = msg.expires, msg.ts
         self.counters.renewals += 1
         new_end = entry.end
-        if new_end == old_end:  # already released: the lease no longer matters
+        if new_end == old_end:  # already released before the old expiry
             return []
         self._push_end(entry)
+        if entry.released is not None:
+            self._max_released = max(self._max_released, new_end)
         lapsed = old_end <= self._expired_upto and entry.path is not None and not entry.held
-        if lapsed or self._later_start_at_or_after(entry, old_end):
+        if lapsed:
             return self._recompute()
+        if self._later_start_at_or_after(entry, old_end):
+            return self._recompute_from((old_end, -1, -1))
         return []
 
     def _recompute(self) -> list[Repath]:
@@ -744,6 +796,7 @@ class ArkCore:
         for i in range(len(masks)):
             masks[i] = 0
         upto = self._expired_upto
+        self._live = {f for f, e in self._entries.items() if e.end > upto}
         for f, e in self._entries.items():
             e.held = False
             if e.path is not None and e.released is None and e.end > upto:
@@ -751,6 +804,65 @@ class ArkCore:
         events: list[Repath] = []
         for f in list(self._own):
             if f in self._entries:
+                events.extend(self._sync_own(f))
+        return events
+
+    def _recompute_from(self, start: Key) -> list[Repath]:
+        """Re-evaluate only the reservations with keys >= ``start``.
+
+        Earlier keys cannot depend on later ones, and everything earlier that is still
+        active at ``start`` is in ``_live``; so this equals the full recomputation while
+        costing (active + suffix) instead of (everything retained).
+        """
+        t0 = start[0]
+        if t0 < self._expired_upto:
+            return self._recompute()
+        keys, entries = self._keys, self._entries
+        i = bisect_left(keys, start)
+        if i >= len(keys):
+            return []
+        self.counters.partial_recomputes += 1
+        k0 = keys[i]
+        held: dict[int, int] = {}
+        retire: list[tuple[float, Key]] = []
+        active_links: dict[Key, tuple[int, ...]] = {}
+        for f in self._live:
+            e = entries[f]
+            k = e.msg.key
+            if e.path is not None and k < k0 and e.end > t0:
+                links = self._links(e.msg, e.path)
+                for lk in links:
+                    held[lk] = held.get(lk, 0) + 1
+                active_links[k] = links
+                heapq.heappush(retire, (e.end, k))
+        changed: list[tuple[_Entry, int | None]] = []
+        for key in keys[i:]:
+            e = entries[(key[1], key[2])]
+            ts = key[0]
+            while retire and retire[0][0] <= ts:
+                _, k = heapq.heappop(retire)
+                for lk in active_links.pop(k):
+                    held[lk] -= 1
+            if not e.frozen:
+                old = (e.path, e.shared)
+                e.path, e.shared = self._assign(e.msg, lambda lk: held.get(lk, 0) > 0)
+                if (e.path, e.shared) != old:
+                    changed.append((e, old[0]))
+            if e.path is not None:
+                links = self._links(e.msg, e.path)
+                for lk in links:
+                    held[lk] = held.get(lk, 0) + 1
+                active_links[key] = links
+                heapq.heappush(retire, (e.end, key))
+        upto = self._expired_upto
+        events: list[Repath] = []
+        for e, old_path in changed:
+            f = e.msg.flow
+            if e.held:
+                self._unhold(f, self._links(e.msg, old_path))  # type: ignore[arg-type]
+            if e.path is not None and e.released is None and e.end > upto:
+                self._hold(f, self._links(e.msg, e.path))
+            if f in self._own:
                 events.extend(self._sync_own(f))
         return events
 

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ark import config as cfgmod
+from ark.client import ArkClientError
 from ark.cluster import ClusterError
 from ark.config import ConfigError, ExperimentConfig
 from ark.hashing import HASH_MODELS, HashError
@@ -26,6 +27,7 @@ from ark.workload import WorkloadError
 
 USER_ERRORS = (
     ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError, ClusterError,
+    ArkClientError,
 )
 
 # Piped output would otherwise wrap at 80 columns and truncate the tables.
