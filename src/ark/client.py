@@ -133,9 +133,10 @@ class ArkClient:
             mine.close()
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close(0)
-            self._sock = None
+        with self._lock:  # never close a socket another thread is using
+            if self._sock is not None:
+                self._sock.close(0)
+                self._sock = None
 
     def __enter__(self) -> ArkClient:
         return self

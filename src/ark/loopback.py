@@ -158,7 +158,7 @@ def _status(procs: AgentProcs, names: list[str], samples: int = 0) -> dict[str, 
 def _tables(procs: AgentProcs, names: list[str]) -> dict[str, set[tuple[int, int]]]:
     out = {}
     for n in names:
-        c = ArkClient(procs.api(n), timeout_s=2.0)
+        c = ArkClient(procs.api(n), timeout_s=10.0)
         try:
             out[n] = {(f[0], f[1]) for f in c.call({"op": "table"})["flows"]}
         finally:
@@ -272,7 +272,7 @@ def run_cluster(
 
         def worker(wi: int) -> None:
             mine = [n for i, n in enumerate(names) if i % nworkers == wi]
-            clients = {n: ArkClient(procs.api(n), timeout_s=2.0) for n in mine}
+            clients = {n: ArkClient(procs.api(n), timeout_s=10.0) for n in mine}
             r = random.Random(seed * 1000 + wi)
             try:
                 while True:
@@ -290,7 +290,7 @@ def run_cluster(
                         c.release(lease.flow_id)
                     except (ArkClientError, AgentNotReady) as e:
                         clients[n].close()
-                        clients[n] = ArkClient(procs.api(n), timeout_s=2.0)
+                        clients[n] = ArkClient(procs.api(n), timeout_s=10.0)
                         with lock:
                             errors.append(f"{n}: {e}")
                         time.sleep(0.05)
@@ -322,7 +322,10 @@ def run_cluster(
             lease_period = lease_min_s + 2.0 * HELD_BYTES * 8 / (100e9 * cl.fabric.efficiency)
             cleared_at = None
             while time.monotonic() - t_kill < 3 * lease_period + 2:
-                tables = _tables(procs, survivors)
+                try:
+                    tables = _tables(procs, survivors)
+                except ArkClientError:
+                    continue
                 if not any(f in t for t in tables.values() for f in killed_flows.values()):
                     cleared_at = time.monotonic() - t_kill
                     break
@@ -334,7 +337,7 @@ def run_cluster(
             # A restarted agent must refuse to reserve until it has resynchronised.
             refused: dict[str, int] = {}
             for v in victims:
-                c = ArkClient(procs.api(v), timeout_s=2.0)
+                c = ArkClient(procs.api(v), timeout_s=10.0)
                 try:
                     refused[v] = 0
                     deadline = time.monotonic() + 30

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgpack
@@ -99,7 +99,9 @@ class Lease(NamedTuple):
 @dataclass
 class PeerState:
     incarnation: int | None = None
-    last_seq: int = 0
+    last_seq: int = 0  # highest sequence number seen
+    have: int = 0  # every message up to this one is applied (directly or by a sync)
+    ahead: set[int] = field(default_factory=set)  # applied, above a hole
     last_heard: float = -math.inf
     synced: bool = False
     sync_sent: float | None = None
@@ -293,40 +295,28 @@ class Node:
     # ------------------------------------------------------------------ network input
     def on_message(self, peer: int, data: bytes, now: float) -> list[Output]:
         """Any envelope from ``peer`` on a channel that authenticates the peer."""
+        return self._dispatch(peer, data, now, (K_DATA, K_HELLO, K_SYNC_REQ, K_SYNC_REP))
+
+    def on_publish(self, peer: int, data: bytes, now: float) -> list[Output]:
+        """Bytes from ``peer``'s broadcast (the channel names the peer)."""
+        return self._dispatch(peer, data, now, (K_DATA, K_HELLO))
+
+    def on_request(self, peer: int, data: bytes, now: float) -> list[Output]:
+        """A point-to-point message from ``peer``: a sync request or a sync reply."""
+        return self._dispatch(peer, data, now, (K_SYNC_REQ, K_SYNC_REP))
+
+    def _dispatch(self, peer: int, data: bytes, now: float, kinds: tuple[int, ...]) -> list[Output]:
         self.counters.received += 1
         try:
             env = decode_envelope(data)
         except ProtocolError:
+            self.counters.invalid += 1
+            return []
+        if env.kind not in kinds:
             self.counters.invalid += 1
             return []
         if env.kind in (K_DATA, K_HELLO):
             return self._published(peer, env, now)
-        return self._point_to_point(peer, env, now)
-
-    def on_publish(self, peer: int, data: bytes, now: float) -> list[Output]:
-        """Bytes from ``peer``'s broadcast (the channel names the peer)."""
-        self.counters.received += 1
-        try:
-            env = decode_envelope(data)
-        except ProtocolError:
-            self.counters.invalid += 1
-            return []
-        if env.kind not in (K_DATA, K_HELLO):
-            self.counters.invalid += 1
-            return []
-        return self._published(peer, env, now)
-
-    def on_request(self, peer: int, data: bytes, now: float) -> list[Output]:
-        """A point-to-point message from ``peer``: a sync request or a sync reply."""
-        self.counters.received += 1
-        try:
-            env = decode_envelope(data)
-        except ProtocolError:
-            self.counters.invalid += 1
-            return []
-        if env.kind not in (K_SYNC_REQ, K_SYNC_REP):
-            self.counters.invalid += 1
-            return []
         return self._point_to_point(peer, env, now)
 
     def _published(self, peer: int, env: Envelope, now: float) -> list[Output]:
@@ -341,10 +331,12 @@ class Node:
         out: list[Output] = []
         if st.incarnation != env.incarnation:
             # First contact or a restart: its sequence numbers start over.
-            st.incarnation, st.last_seq, st.synced = env.incarnation, 0, False
+            st.incarnation, st.last_seq, st.have, st.synced = env.incarnation, 0, 0, False
+            st.ahead.clear()
             out.extend(self._request_sync(peer, now))
         if env.kind == K_HELLO:
-            if env.seq > st.last_seq and st.synced:
+            st.last_seq = max(st.last_seq, env.seq)
+            if env.seq > st.have and st.synced:
                 self.counters.gaps += 1
                 st.synced = False
                 out.extend(self._request_sync(peer, now))
@@ -358,14 +350,21 @@ class Node:
                 self.counters.digest_mismatches += 1
                 out.extend(self._request_sync(peer, now))
             return out
-        if env.seq <= st.last_seq:
+        if env.seq <= st.have or env.seq in st.ahead:
             self.counters.dropped += 1
             return out
-        if env.seq != st.last_seq + 1 and st.synced:
+        st.last_seq = max(st.last_seq, env.seq)
+        if env.seq == st.have + 1:
+            st.have = env.seq
+            self._advance(st)
+        else:
+            st.ahead.add(env.seq)
+        if st.have < st.last_seq and st.synced:
+            # A hole: something this peer sent never arrived. Only a sync that starts
+            # after now can cover it.
             self.counters.gaps += 1
             st.synced = False
             out.extend(self._request_sync(peer, now))
-        st.last_seq = env.seq
         try:
             msg = decode(env.payload)
         except ProtocolError:
@@ -481,7 +480,8 @@ class Node:
 
     def _apply_sync(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
         if st.incarnation != env.incarnation:
-            st.incarnation, st.last_seq = env.incarnation, 0
+            st.incarnation, st.last_seq, st.have = env.incarnation, 0, 0
+            st.ahead.clear()
         msgs: list[Message] = []
         for raw in env.payload[0]:
             try:
@@ -509,12 +509,29 @@ class Node:
         frozen = {(o, q): (None if p < 0 else p, sh) for o, q, p, sh in env.payload[2]}
         if frozen:
             self.events.extend(self.core.adopt(frozen))
-        st.last_seq = max(st.last_seq, env.seq)
-        st.synced = True
-        st.sync_sent = None
+        # The snapshot covers everything the peer sent up to env.seq.
+        st.have = max(st.have, env.seq)
+        self._advance(st)
+        st.last_seq = max(st.last_seq, st.have)
         self.counters.sync_applied += 1
+        out: list[Output] = []
+        if st.have >= st.last_seq:
+            st.synced = True
+            st.sync_sent = None
+        else:
+            # A hole above what this snapshot covers (a reply that was already on its
+            # way when the loss happened): ask again.
+            out.extend(self._request_sync(peer, now))
         self._update_ready(now)
-        return self._release_predecessors(now)
+        return out + self._release_predecessors(now)
+
+    @staticmethod
+    def _advance(st: PeerState) -> None:
+        while st.have + 1 in st.ahead:
+            st.have += 1
+            st.ahead.discard(st.have)
+        if st.ahead:
+            st.ahead = {s for s in st.ahead if s > st.have}
 
     def _release_predecessors(self, now: float) -> list[Output]:
         """Release our host's reservations that this incarnation does not own."""

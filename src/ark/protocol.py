@@ -178,6 +178,31 @@ class _StageIndex:
     pair_sids: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
 
 
+class _Sweep:
+    """Links held by earlier reservations, as a sweep moves forward in key order."""
+
+    __slots__ = ("active", "held", "retire")
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.retire: list[tuple[float, Key]] = []
+        self.active: dict[Key, tuple[int, ...]] = {}
+
+    def add(self, key: Key, links: tuple[int, ...], end: float) -> None:
+        for lk in links:
+            self.held[lk] = self.held.get(lk, 0) + 1
+        self.active[key] = links
+        heapq.heappush(self.retire, (end, key))
+
+    def retire_until(self, ts: float) -> None:
+        """Forget reservations that ended at or before ``ts``."""
+        retire = self.retire
+        while retire and retire[0][0] <= ts:
+            _, k = heapq.heappop(retire)
+            for lk in self.active.pop(k):
+                self.held[lk] -= 1
+
+
 class ArkCore:
     """One host's replica of the reservation table plus its local flows."""
 
@@ -772,24 +797,7 @@ class ArkCore:
 
     def _recompute(self) -> list[Repath]:
         self.counters.recomputes += 1
-        held: dict[int, int] = {}
-        retire: list[tuple[float, Key]] = []
-        active_links: dict[Key, tuple[int, ...]] = {}
-        for key in self._keys:
-            e = self._entries[(key[1], key[2])]
-            ts = e.msg.ts
-            while retire and retire[0][0] <= ts:
-                _, k = heapq.heappop(retire)
-                for lk in active_links.pop(k):
-                    held[lk] -= 1
-            if not e.frozen:
-                e.path, e.shared = self._assign(e.msg, lambda lk: held.get(lk, 0) > 0)
-            if e.path is not None:
-                links = self._links(e.msg, e.path)
-                for lk in links:
-                    held[lk] = held.get(lk, 0) + 1
-                active_links[key] = links
-                heapq.heappush(retire, (e.end, key))
+        self._evaluate(self._keys, _Sweep())
         # Rebuild the holders index and masks from scratch.
         self._holders = {}
         masks = self._stages.masks
@@ -807,6 +815,22 @@ class ArkCore:
                 events.extend(self._sync_own(f))
         return events
 
+    def _evaluate(self, keys: Sequence[Key], sweep: _Sweep) -> list[tuple[_Entry, int | None]]:
+        """Rules 1-3 for ``keys`` in order; returns (entry, old path) of those that moved."""
+        changed: list[tuple[_Entry, int | None]] = []
+        held = sweep.held
+        for key in keys:
+            e = self._entries[(key[1], key[2])]
+            sweep.retire_until(key[0])
+            if not e.frozen:
+                old = (e.path, e.shared)
+                e.path, e.shared = self._assign(e.msg, lambda lk: held.get(lk, 0) > 0)
+                if (e.path, e.shared) != old:
+                    changed.append((e, old[0]))
+            if e.path is not None:
+                sweep.add(key, self._links(e.msg, e.path), e.end)
+        return changed
+
     def _recompute_from(self, start: Key) -> list[Repath]:
         """Re-evaluate only the reservations with keys >= ``start``.
 
@@ -823,37 +847,12 @@ class ArkCore:
             return []
         self.counters.partial_recomputes += 1
         k0 = keys[i]
-        held: dict[int, int] = {}
-        retire: list[tuple[float, Key]] = []
-        active_links: dict[Key, tuple[int, ...]] = {}
+        sweep = _Sweep()
         for f in self._live:
             e = entries[f]
-            k = e.msg.key
-            if e.path is not None and k < k0 and e.end > t0:
-                links = self._links(e.msg, e.path)
-                for lk in links:
-                    held[lk] = held.get(lk, 0) + 1
-                active_links[k] = links
-                heapq.heappush(retire, (e.end, k))
-        changed: list[tuple[_Entry, int | None]] = []
-        for key in keys[i:]:
-            e = entries[(key[1], key[2])]
-            ts = key[0]
-            while retire and retire[0][0] <= ts:
-                _, k = heapq.heappop(retire)
-                for lk in active_links.pop(k):
-                    held[lk] -= 1
-            if not e.frozen:
-                old = (e.path, e.shared)
-                e.path, e.shared = self._assign(e.msg, lambda lk: held.get(lk, 0) > 0)
-                if (e.path, e.shared) != old:
-                    changed.append((e, old[0]))
-            if e.path is not None:
-                links = self._links(e.msg, e.path)
-                for lk in links:
-                    held[lk] = held.get(lk, 0) + 1
-                active_links[key] = links
-                heapq.heappush(retire, (e.end, key))
+            if e.path is not None and e.msg.key < k0 and e.end > t0:
+                sweep.add(e.msg.key, self._links(e.msg, e.path), e.end)
+        changed = self._evaluate(keys[i:], sweep)
         upto = self._expired_upto
         events: list[Repath] = []
         for e, old_path in changed:
