@@ -290,3 +290,27 @@ def test_cli_status_ports_keygen_and_cluster(trio, tmp_path) -> None:
     assert res["flows"] >= 60 and res["leaked"] == 0 and res["digests_equal"]
     p = run("agent", "--cluster", str(procs.cluster_file), "--host", "gpu77")
     assert p.returncode != 0 and "gpu77" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cluster_path_maps_from_files(tmp_path) -> None:
+    """An operator's map files (ark pathmap --save) take precedence over the fabric's hashes."""
+    import subprocess
+    import sys
+
+    cfile, _ = write_cluster(tmp_path, 2)
+    maps = tmp_path / "maps"
+    maps.mkdir()
+    text = cfile.read_text().replace("[cluster]", '[cluster]\npathmap_dir = "maps"', 1)
+    cfile.write_text(text)
+    cl = clmod.load(cfile)
+    src, dst = cl.hosts[0], cl.hosts[1]
+    f = maps / f"{src.name}__{dst.name}__4791.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "ark", "pathmap", "--hash", "crc16-ccitt", "--seed", "9",
+         "--src", cl.fabric.hosts[src.index].ip, "--dst", cl.fabric.hosts[dst.index].ip,
+         "--paths", "4", "--save", str(f)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    loaded = cl.pathmaps()(src.index, dst.index, 4791)
+    assert loaded.hash == "crc16-ccitt" and loaded.seed == 9
+    other = cl.pathmaps()(dst.index, src.index, 4791)  # no file: from the fabric
+    assert other.hash == cl.fabric.leaves[0].hash

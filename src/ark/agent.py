@@ -288,6 +288,7 @@ class Agent:
         if op == "status":
             st = self.node.status(now)
             st["name"] = self.me.name
+            st["node"]["unsent"] = self.dropped_out
             st["peers"] = {self.peers[int(p)].name: v for p, v in st["peers"].items()}
             samples = list(self.node.propagation_s)
             st["propagation_samples"] = samples[-int(req.get("samples", 0)):] if req.get("samples") else []
@@ -348,6 +349,7 @@ class _Collector:
             ("ark_expired", c.expired, "reservations whose lease ran out"),
             ("ark_invalid_messages", n.invalid + c.invalid, "malformed or unauthorised peer messages dropped"),
             ("ark_dropped_messages", n.dropped + c.duplicates + c.stale, "duplicate or stale peer messages dropped"),
+            ("ark_unsent_messages", self.agent.dropped_out, "messages not sent: a peer's queue was full"),
             ("ark_sequence_gaps", n.gaps, "gaps in a peer's sequence numbers"),
             ("ark_syncs_applied", n.sync_applied, "table resynchronisations applied"),
         ):

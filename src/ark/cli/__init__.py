@@ -199,9 +199,10 @@ def simulate(config_path: str, out_dir: str, jobs: int | None, as_json: bool) ->
 @click.option("--selection", type=click.Choice(list(HASH_SELECTIONS)), default="modulo", show_default=True)
 @click.option("--proto", type=click.IntRange(0, 255), default=17, show_default=True, help="IP protocol (17 UDP/RoCEv2, 6 TCP).")
 @click.option("--json", "as_json", is_flag=True, help="Print every port per path as JSON.")
+@click.option("--save", type=click.Path(dir_okay=False), help="Also write the map file an agent loads (cluster pathmap_dir).")
 def pathmap(
     hash_name: str, seed: int, src: str, dst: str, dport: int, paths: int, port_range: str,
-    selection: str, proto: int, as_json: bool,
+    selection: str, proto: int, as_json: bool, save: str | None,
 ) -> None:
     """Which source ports the switch hash sends over each path."""
     try:
@@ -209,6 +210,8 @@ def pathmap(
     except PathMapError as e:
         raise click.BadParameter(str(e).removeprefix("port-range: "), param_hint="--port-range") from None
     pm = compute_buckets(hash_name, seed, src, dst, dport, paths, rng, selection, proto)
+    if save:
+        pm.save(save)
     if as_json:
         click.echo(json.dumps({
             "hash": hash_name, "seed": seed, "paths": paths,
