@@ -473,10 +473,10 @@ class ArkCore:
                 del self._keys[i]
                 # Later reservations that started while this one was active keep the
                 # assignment it helped decide.
-                for k in self._keys[i:]:
-                    if k[0] >= end:
-                        break
-                    self._entries[(k[1], k[2])].frozen = True
+                keys = self._keys
+                while i < len(keys) and keys[i][0] < end:
+                    self._entries[(keys[i][1], keys[i][2])].frozen = True
+                    i += 1
             for d in (self._early_release, self._early_renew):
                 for f in [f for f, t in d.items() if (t if isinstance(t, float) else t.ts) < horizon]:
                     del d[f]
@@ -710,10 +710,10 @@ class ArkCore:
         )
         self._entries[msg.flow] = entry
         insort(self._keys, key)
-        renew = self._early_renew.pop(msg.flow, None)
+        renew = self._early_renew.pop(msg.flow, None) if self._early_renew else None
         if renew is not None and renew.expires > entry.expires:
             entry.expires, entry.renew_ts = renew.expires, renew.ts
-        early = self._early_release.pop(msg.flow, None)
+        early = self._early_release.pop(msg.flow, None) if self._early_release else None
         if early is not None:
             entry.released = max(early, msg.ts)
             self._max_released = max(self._max_released, entry.end)
