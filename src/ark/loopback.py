@@ -377,8 +377,8 @@ def run_cluster(
         )
         report["races"] = int(sum(s["core"]["races_lost"] for s in st.values()))
         report["invalid_messages"] = int(sum(s["node"]["invalid"] + s["core"]["invalid"] for s in st.values()))
-        for k in ("gaps", "sync_applied", "digest_mismatches", "unsent"):
-            report[k] = int(sum(s["node"].get(k, 0) for s in st.values()))
+        for counter in ("gaps", "sync_applied", "digest_mismatches", "unsent"):
+            report[counter] = int(sum(s["node"].get(counter, 0) for s in st.values()))
         report["propagation_loaded_ms_p50"] = round(float(np.percentile(loaded, 50)) * 1e3, 3) if loaded.size else None
         report["propagation_loaded_ms_p99"] = round(float(np.percentile(loaded, 99)) * 1e3, 3) if loaded.size else None
         stop_renew.set()
