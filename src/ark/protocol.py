@@ -6,7 +6,8 @@ events for the local flows. The simulator, the agent and the testbed all drive i
 
 Table semantics (the same on every replica)
 -------------------------------------------
-The table is a pure function of the set of RESERVE and RELEASE messages a replica holds,
+The table is a pure function of the set of RESERVE, RENEW and RELEASE messages a replica
+holds (two RELEASEs of one flow: the earliest counts),
 so replicas that received the same messages agree, whatever the delivery order.
 Reservations are processed in key order, key = ``(ts, owner host, owner seq)`` (the seq
 only orders one host's own reservations made at the same instant). A reservation R is
@@ -28,9 +29,12 @@ exact set at any instant ``T`` the replica still remembers.
 A reservation is forgotten ``retention_s`` after it ends. Reservations that overlapped a
 forgotten one are *frozen*: they keep the assignment they had (a joiner adopts them
 from a peer's snapshot), and messages about reservations that ended before the
-retention horizon are dropped as stale. Most messages arrive in
-key order and take an incremental fast path that gives exactly the full recomputation's
-result; anything else triggers the full recomputation.
+retention horizon are dropped as stale (without a lease: those that started before it).
+
+Most messages arrive in key order and take an incremental fast path; the others
+re-evaluate only the reservations from the earliest affected key on, against the ones
+still active then. Both give exactly the full recomputation's result (the fault
+harness checks this).
 
 Requests (owner side)
 ---------------------
