@@ -14,6 +14,11 @@ Modules:
 * :mod:`ark.experiment` sweeps, records and result files
 * :mod:`ark.config`     TOML configuration and the embedded default
 * :mod:`ark.bench`      controller and reproduction benchmarks
+* :mod:`ark.node`       sans-IO replication: envelopes, sequence numbers, sync, leases
+* :mod:`ark.agent`      the agent daemon (ZeroMQ, CURVE, local API, logs, metrics)
+* :mod:`ark.client`     the serving engine's client
+* :mod:`ark.cluster`    cluster files
+* :mod:`ark.loopback`   real agent processes on loopback (``ark cluster``)
 """
 
 __version__ = "0.1.0"
