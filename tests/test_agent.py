@@ -288,6 +288,7 @@ def test_cli_status_ports_keygen_and_cluster(trio, tmp_path) -> None:
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["flows"] >= 60 and res["leaked"] == 0 and res["digests_equal"]
+    assert res["agents_cpu_ms_per_cycle"] > 0
     p = run("agent", "--cluster", str(procs.cluster_file), "--host", "gpu77")
     assert p.returncode != 0 and "gpu77" in p.stderr and "Traceback" not in p.stderr
 

@@ -13,7 +13,6 @@ from ark.node import (
     Node,
     NotReady,
     Publish,
-    Send,
     decode_envelope,
     encode_envelope,
 )
@@ -106,7 +105,7 @@ def test_lease_expires_when_the_client_stops_renewing() -> None:
     renewed, outs = net.nodes[0].renew(lease.flow_id, 2.5)
     net.emit(0, outs, 2.5)
     assert renewed.expires > lease.expires
-    assert net.nodes[9].core.ends()[lease.flow_id] == pytest.approx(renewed.expires)
+    assert net.nodes[9].core.end_of(lease.flow_id) == pytest.approx(renewed.expires)
     # The client vanishes: the owner releases at expiry; a peer that misses it expires it.
     net.drop_to = {9}
     t = renewed.expires + 0.01
@@ -194,4 +193,3 @@ def test_status_reports_peers_and_counters() -> None:
     assert st["ready"] and set(st["peers"]) == {"1", "8", "9"}
     assert all(p["up"] and p["synced"] for p in st["peers"].values())
     assert st["node"]["sync_applied"] == 3
-    assert isinstance(Send(1, b""), tuple)

@@ -297,9 +297,7 @@ class Agent:
         if op == "ports":
             peer = self._host_arg(req.get("peer"), "peer")
             dport = req.get("dport", self.cluster.dport)
-            pm = self.cluster.pathmaps()(self.me.index, peer, dport)
-            ports = [int(b[0]) if len(b) else -1 for b in pm.buckets]
-            return {"ok": True, "ports": ports}
+            return {"ok": True, "ports": self.cluster.pathmaps()(self.me.index, peer, dport).static_ports()}
         if op == "table":
             table = self.node.core.table()
             return {"ok": True, "flows": [[f[0], f[1], p, sh] for f, (p, sh) in sorted(table.items())],

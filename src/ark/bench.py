@@ -49,11 +49,11 @@ def _core_with_busy(spines: int, busy: int) -> tuple[ArkCore, int]:
     fab = spine_leaf(leaves=2, spines=spines, gpus_per_leaf=2, hash="crc32", seed=0)
     maps = PathMapCache(fab, (0, 0xFFFF))
     core = ArkCore(0, fab, maps, policy="ark")
-    peer = 1  # same leaf as host 0 is host 1; use host 2 on leaf 1 as destination
-    dst = 2
+    # Host 1 (leaf 0, like host 0) holds paths 0..busy-1 towards host 3 (leaf 1); host 0
+    # then asks for a path to host 2 (leaf 1), which crosses the same uplinks.
     for k in range(busy):
-        core.receive(Reserve((peer, k + 1), 0.0, peer, dst + 1, 4791, k, 49152 + k, 10**9, 1e11), 0.0)
-    return core, dst
+        core.receive(Reserve((1, k + 1), 0.0, 1, 3, 4791, k, 49152 + k, 10**9, 1e11), 0.0)
+    return core, 2
 
 
 def controller(hash_name: str = "murmur3-hpcc", repeat: int = 7) -> dict[str, Any]:

@@ -87,6 +87,10 @@ class PathMap:
             raise PathMapError(f"port {port} outside the map's range {lo}-{hi}")
         return int(self._lookup[port - lo])
 
+    def static_ports(self) -> list[int]:
+        """One source port per path (the bucket's first; -1 if no port reaches it)."""
+        return [int(b[0]) if len(b) else -1 for b in self.buckets]
+
     def counts(self) -> list[int]:
         return [len(b) for b in self.buckets]
 

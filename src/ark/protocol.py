@@ -542,10 +542,6 @@ class ArkCore:
         """Everything the replica knows: flow -> (reserve, released ts, path, shared)."""
         return {f: (e.msg, e.released, e.path, e.shared) for f, e in self._entries.items()}
 
-    def ends(self) -> dict[FlowId, float]:
-        """Each known reservation's end: min(release ts, lease expiry)."""
-        return {f: e.end for f, e in self._entries.items()}
-
     def state_digest(self, since: float, until: float = INF) -> bytes:
         """Digest of what this replica knows about reservations ending in
         [``since``, ``until``): (flow, end) pairs. Equal message sets give equal digests.

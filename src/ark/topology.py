@@ -134,18 +134,6 @@ class Fabric:
         return (off - per) // self.n_leaves
 
     # ---- lookups -------------------------------------------------------------------
-    def host_by_name(self, name: str) -> Host:
-        for h in self.hosts:
-            if h.name == name:
-                return h
-        raise TopologyError(f"unknown host {name!r}")
-
-    def host_by_ip(self, ip: str) -> Host:
-        for h in self.hosts:
-            if h.ip == ip:
-                return h
-        raise TopologyError(f"no host has ip {ip!r}")
-
     def role_hosts(self, role: str) -> tuple[int, ...]:
         return tuple(h.index for h in self.hosts if h.role == role)
 

@@ -366,7 +366,7 @@ def ports(cluster_path: str, host: str, peer: str, dport: int | None) -> None:
     cl = _cluster(cluster_path)
     me, other = cl.host(host), cl.host(peer)
     pm = cl.pathmaps()(me.index, other.index, cl.dport if dport is None else dport)
-    click.echo(",".join(str(int(b[0])) for b in pm.buckets if len(b)))
+    click.echo(",".join(str(p) for p in pm.static_ports() if p >= 0))
 
 
 @cli.command("cluster")
