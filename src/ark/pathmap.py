@@ -20,6 +20,9 @@ from ark.topology import Fabric
 
 ROCE_PORT_RANGE = (0xC000, 0xFFFF)  # ports a RoCEv2 GRH flow label can produce
 FULL_PORT_RANGE = (0, 0xFFFF)
+# ``hash`` and ``selection`` of a map learnt by probing (ark.probe): it covers only the
+# probed ports of its range, and ports it does not know map to path -1.
+PROBED = "probe"
 
 
 class PathMapError(ValueError):
@@ -94,6 +97,16 @@ class PathMap:
     def counts(self) -> list[int]:
         return [len(b) for b in self.buckets]
 
+    @property
+    def sampled(self) -> bool:
+        return self.hash == PROBED
+
+    def known_ports(self) -> npt.NDArray[np.int64]:
+        """Every port the map places on a path, sorted."""
+        if not self.buckets:
+            return np.zeros(0, dtype=np.int64)
+        return np.sort(np.concatenate(self.buckets))
+
     def to_dict(self) -> dict[str, object]:
         return {
             "hash": self.hash,
@@ -136,10 +149,14 @@ class PathMap:
         return pm
 
     def validate(self) -> None:
-        """Every port of the range in exactly one bucket."""
+        """Every port of the range in exactly one bucket (a probed map: at most one)."""
         lo, hi = self.port_range
-        allp = np.concatenate(self.buckets) if self.buckets else np.zeros(0, dtype=np.int64)
-        if len(allp) != hi - lo + 1 or not np.array_equal(np.sort(allp), np.arange(lo, hi + 1)):
+        allp = self.known_ports()
+        if self.sampled:
+            if len(allp) and (allp[0] < lo or allp[-1] > hi or np.any(np.diff(allp) == 0)):
+                raise PathMapError("path map: probed buckets overlap or leave the port range")
+            return
+        if len(allp) != hi - lo + 1 or not np.array_equal(allp, np.arange(lo, hi + 1)):
             raise PathMapError("path map: buckets do not partition the port range")
 
     def save(self, path: str | Path) -> None:

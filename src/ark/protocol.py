@@ -599,6 +599,13 @@ class ArkCore:
         return b
 
     def _random_port(self, buckets: PortBuckets) -> int:
+        if buckets.map.sampled:  # only probed ports have a known path
+            known = [p for p in buckets.map.known_ports().tolist() if p not in buckets.in_use]
+            if not known:
+                raise CoreError("every probed source port towards this peer is in use")
+            port: int = known[self._rng.randrange(len(known))]
+            buckets.claim(port)
+            return port
         lo, hi = buckets.map.port_range
         if len(buckets.in_use) > hi - lo:
             raise CoreError("every source port towards this peer is in use")

@@ -20,14 +20,16 @@ from ark.cluster import ClusterError
 from ark.config import ConfigError, ExperimentConfig
 from ark.hashing import HASH_MODELS, HashError
 from ark.pathmap import PathMapError, compute_buckets, parse_port_range
+from ark.probe import ProbeError
 from ark.protocol import CoreError
+from ark.testbed import TestbedError
 from ark.simulator import SCHEMES, SimError
 from ark.topology import HASH_SELECTIONS, TopologyError
 from ark.workload import WorkloadError
 
 USER_ERRORS = (
     ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError, ClusterError,
-    ArkClientError,
+    ArkClientError, TestbedError, ProbeError,
 )
 
 # Piped output would otherwise wrap at 80 columns and truncate the tables.
@@ -392,6 +394,12 @@ def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: in
     for k, v in res.items():
         t.add_row(k, str(v))
     out.print(t)
+
+
+from ark.cli.testbed import probe_cmd, testbed  # noqa: E402 - registers after the shared helpers
+
+cli.add_command(probe_cmd)
+cli.add_command(testbed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,213 @@
+"""``ark probe`` and ``ark testbed ...``: path discovery and the namespace fabric."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ark.cli import _seeds, err, out
+
+TB_HELP_DIR = "State folder (default /run/ark-testbed, or $ARK_TESTBED_DIR)."
+
+
+def _spec(config_path: str | None, **kw: Any) -> Any:
+    from ark import config as cfgmod
+    from ark.testbed import TestbedSpec
+
+    if config_path is None:
+        return TestbedSpec(**kw)
+    return TestbedSpec.from_fabric_config(cfgmod.load(config_path).fabric, **kw)
+
+
+def _state(prefix: str, base: str | None) -> Any:
+    from ark.testbed import State, state_dir
+
+    return State.load(state_dir(prefix, base))
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and math.isnan(v) else v
+
+
+@click.command("probe")
+@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False), required=True)
+@click.option("--host", required=True, help="This host's name in the cluster file.")
+@click.option("--peers", help="Comma-separated peer names (default: every host behind another leaf).")
+@click.option("--routers", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="JSON object: router (spine) address -> path index.")
+@click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Source ports probed per peer per round (0: the whole port range).")
+@click.option("--min-per-path", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Probe more rounds until every path has this many ports.")
+@click.option("--proto", type=click.Choice(["tcp", "udp"]), default="tcp", show_default=True,
+              help="Probe with the protocol your flows use (the ECMP hash includes it).")
+@click.option("--json", "as_json", is_flag=True)
+def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str, sample: int, min_per_path: int,
+              proto: str, as_json: bool) -> None:
+    """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""
+    from ark import cluster as clmod
+    from ark.probe import probe_peers
+
+    c = clmod.load(cluster_path)
+    if c.pathmap_dir is None:
+        raise clmod.ClusterError("cluster.pathmap_dir: required to store probed maps")
+    try:
+        rmap = {str(k): int(v) for k, v in json.loads(Path(routers).read_text()).items()}
+    except (ValueError, AttributeError) as e:
+        raise click.BadParameter(f"not a JSON object of address -> path index ({e})", param_hint="--routers") from None
+    names = [p for p in peers.split(",") if p] if peers else None
+    learnt = probe_peers(c, host, names, rmap, sample=sample, min_per_path=min_per_path, proto=proto)
+    Path(c.pathmap_dir).mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for peer, (pm, stats) in learnt.items():
+        pm.save(Path(c.pathmap_dir) / f"{host}__{peer}__{c.dport}.json")
+        summary[peer] = {**stats, "ports_per_path": pm.counts()}
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    t = Table(title=f"{host}: probed path maps ({proto})")
+    for col in ("peer", "probes", "answered", "seconds", "ports per path"):
+        t.add_column(col)
+    for peer, s in summary.items():
+        t.add_row(peer, str(s["probes_sent"]), str(s["answered"]), f"{s['seconds']:.3f}", str(s["ports_per_path"]))
+    out.print(t)
+
+
+@click.group()
+def testbed() -> None:
+    """A real spine-leaf fabric in network namespaces (root): up, run, down."""
+
+
+@testbed.command("up")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Experiment TOML whose [fabric] to build (default: the paper's).")
+@click.option("--scale", type=float, default=1e-3, show_default=True, help="Rate and flow-size factor (100 Gbit/s -> 100 Mbit/s).")
+@click.option("--hash-policy", type=click.Choice(["headers", "l4"]), default="headers", show_default=True,
+              help="headers: 5-tuple from packet headers (policy 3); l4: kernel policy 1.")
+@click.option("--queue-ms", type=float, default=20.0, show_default=True, help="Per-link queue, in ms at the scaled rate.")
+@click.option("--prefix", default="ark", show_default=True, help="Name prefix of every namespace.")
+@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--json", "as_json", is_flag=True)
+def tb_up(config_path: str | None, scale: float, hash_policy: str, queue_ms: float, prefix: str,
+          state_dir: str | None, as_json: bool) -> None:
+    """Build the fabric: namespaces, veths, multipath routes, rate limits, management bridge."""
+    from ark import testbed as tb
+
+    st = tb.up(_spec(config_path, scale=scale, hash_policy=hash_policy, queue_ms=queue_ms, prefix=prefix), state_dir)
+    info = tb.status(prefix, state_dir)
+    if as_json:
+        click.echo(json.dumps(info))
+    else:
+        s = st.spec
+        out.print(f"testbed {prefix!r} up in {st.built_s:.2f} s: {len(st.namespaces)} namespaces, "
+                  f"{s.leaves} leaves x {s.spines} spines x {s.gpus_per_leaf} hosts, links "
+                  f"{s.link_gbps * s.scale * 1e3:g} Mbit/s, hash policy {s.hash_policy}; state in {st.dir}")
+
+
+@testbed.command("down")
+@click.option("--prefix", default="ark", show_default=True)
+@click.option("--state-dir", help=TB_HELP_DIR)
+def tb_down(prefix: str, state_dir: str | None) -> None:
+    """Remove everything `up` created (also after a crash; idempotent)."""
+    from ark import testbed as tb
+
+    removed = tb.down(prefix, state_dir)
+    out.print(f"removed {len(removed)} namespaces" if removed else "nothing to remove")
+
+
+@testbed.command("status")
+@click.option("--prefix", default="ark", show_default=True)
+@click.option("--state-dir", help=TB_HELP_DIR)
+def tb_status(prefix: str, state_dir: str | None) -> None:
+    """What the state file lists, and what of it is missing."""
+    from ark import testbed as tb
+
+    click.echo(json.dumps(tb.status(prefix, state_dir), indent=1))
+
+
+@testbed.command("link")
+@click.argument("leaf", type=click.IntRange(min=0))
+@click.argument("spine", type=click.IntRange(min=0))
+@click.argument("state", type=click.Choice(["up", "down"]))
+@click.option("--prefix", default="ark", show_default=True)
+@click.option("--state-dir", help=TB_HELP_DIR)
+def tb_link(leaf: int, spine: int, state: str, prefix: str, state_dir: str | None) -> None:
+    """Take the LEAF-SPINE link down or bring it back (the kernel re-hashes)."""
+    from ark import testbed as tb
+
+    tb.set_link(_state(prefix, state_dir), leaf, spine, state == "up")
+    out.print(f"leaf{leaf}-spine{spine} {state}")
+
+
+@testbed.command("probe")
+@click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True)
+@click.option("--prefix", default="ark", show_default=True)
+@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--json", "as_json", is_flag=True)
+def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> None:
+    """Every prefill host probes every decode host; maps are checked against the kernel."""
+    from ark import testbed_run as tr
+
+    st = _state(prefix, state_dir)
+    fab = st.spec.fabric()
+    pairs = {s: set(fab.role_hosts("decode")) for s in fab.role_hosts("prefill")}
+    pairs = {s: {d for d in ds if fab.n_paths(s, d) > 1} for s, ds in pairs.items()}
+    res = tr.probe(st, {s: ds for s, ds in pairs.items() if ds}, sample)
+    res.pop("per_host")
+    if as_json:
+        click.echo(json.dumps({k: _finite(v) for k, v in res.items()}))
+    else:
+        out.print(f"{res['probes_sent']} probes, {res['probe_wall_s']} s wall ({res['probe_host_s']} s summed over hosts); "
+                  f"{res['probed_ports']} mapped ports agree with the kernel: {res['probe_agreement_fraction']:.4%}")
+
+
+@testbed.command("run")
+@click.option("--requests", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--qps", type=float, default=20.0, show_default=True)
+@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["ecmp", "ark", "ark-balance"]),
+              help="Repeat for several (default: ecmp and ark).")
+@click.option("--seeds", default="1", show_default=True, help="Seed count N (seeds 0..N-1) or a list like 0,4,7.")
+@click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True, help="Probed ports per peer.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Also write every record (flows included) as JSON.")
+@click.option("--prefix", default="ark", show_default=True)
+@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
+def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, out_file: str | None,
+           prefix: str, state_dir: str | None, as_json: bool) -> None:
+    """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
+    from ark import testbed_run as tr
+
+    st = _state(prefix, state_dir)
+    seed_list = _seeds(seeds) or (0,)
+    records = []
+    for seed in seed_list:
+        for scheme in schemes or ("ecmp", "ark"):
+            p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample)
+            records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
+    if out_file:
+        Path(out_file).write_text(json.dumps(_clean(records), indent=1))
+    if as_json:
+        click.echo(json.dumps(_clean(records[0] if len(records) == 1 else records)))
+        return
+    t = Table(title=f"testbed: {requests} requests at QPS {qps:g} (offered load {records[0]['offered_load']:.2f}), "
+                    f"links {records[0]['link_mbps']:g} Mbit/s")
+    for col in ("scheme", "seed", "mean FCT s", "P95 FCT s", "errors", "flows/spine", "path match", "probes", "probe agree"):
+        t.add_column(col, justify="right")
+    for r in records:
+        pm = r["path_match_fraction"]
+        t.add_row(r["scheme"], str(r["seed"]), f"{r['fct_mean_s']:.4f}", f"{r['fct_p95_s']:.4f}", str(r["errors"]),
+                  str(r["flows_per_spine"]), "-" if pm is None else f"{pm:.2%} of {r['path_checked']}",
+                  str(r["probes_sent"]), f"{r['probe_agreement_fraction']:.4%}")
+    out.print(t)
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return _finite(obj)

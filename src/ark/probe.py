@@ -1,0 +1,270 @@
+"""Learn which spine each source port takes by TTL-limited probes (ARK.md section 8).
+
+Paris-traceroute style: the whole 5-tuple stays fixed and only the TTL is small, so a
+probe follows exactly the path a real flow with that 5-tuple would take and dies at the
+spine (TTL 2 from a host behind its leaf). The spine's ICMP time-exceeded comes back on
+the probing socket's error queue (``IP_RECVERR``), offender address included. No raw
+sockets: it runs unprivileged.
+
+Probe with the protocol the traffic uses: an L4 ECMP hash includes the protocol number,
+so a UDP probe says nothing about a TCP flow with the same ports. A TCP probe is a
+connect() whose SYN carries the small TTL; Linux queues ICMP errors for a socket in
+SYN_SENT on its error queue as it does for UDP.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ark.pathmap import PROBED, PathMap
+
+IP_RECVERR = 11  # Python 3.11 has no socket.IP_RECVERR
+SO_EE_ORIGIN_ICMP = 2
+ICMP_TIME_EXCEEDED = 11
+PROTOS = {"tcp": 6, "udp": 17}
+_EE = struct.Struct("=IBBBBII")  # struct sock_extended_err
+
+
+class ProbeError(ValueError):
+    """Bad probe parameters."""
+
+
+@dataclass
+class ProbeResult:
+    """Offender address per probed source port; ports with no answer are absent."""
+
+    dst_ip: str
+    dport: int
+    proto: str
+    offenders: dict[int, str] = field(default_factory=dict)
+    sent: int = 0
+    unusable: list[int] = field(default_factory=list)  # could not bind (port in use)
+    seconds: float = 0.0
+
+
+def _open(proto: str, src_ip: str, port: int, ttl: int) -> socket.socket | None:
+    kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+    s = socket.socket(socket.AF_INET, kind)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_IP, IP_RECVERR, 1)
+        s.setsockopt(socket.SOL_IP, socket.IP_TTL, ttl)
+        s.setblocking(False)
+        s.bind((src_ip, port))
+    except OSError as e:
+        s.close()
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+            return None
+        raise
+    return s
+
+
+def _offender(s: socket.socket) -> str | None:
+    """The router that sent a time-exceeded for this socket's probe, if one did."""
+    try:
+        _, anc, _, _ = s.recvmsg(64, 512, socket.MSG_ERRQUEUE)
+    except (BlockingIOError, InterruptedError):
+        return None
+    for level, kind, data in anc:
+        if level == socket.SOL_IP and kind == IP_RECVERR and len(data) >= _EE.size + 8:
+            _, origin, etype, _code, _, _, _ = _EE.unpack_from(data)
+            if origin == SO_EE_ORIGIN_ICMP and etype == ICMP_TIME_EXCEEDED:
+                return socket.inet_ntoa(data[_EE.size + 4 : _EE.size + 8])  # sockaddr_in.sin_addr
+    return None
+
+
+def probe_ports(
+    dst_ip: str,
+    dport: int,
+    ports: Sequence[int],
+    *,
+    proto: str = "tcp",
+    ttl: int = 2,
+    src_ip: str = "",
+    timeout_s: float = 0.3,
+    retries: int = 2,
+    batch: int = 256,
+) -> ProbeResult:
+    """Send one TTL-limited probe per source port (``batch`` in flight) and read the offenders."""
+    if proto not in PROTOS:
+        raise ProbeError(f"proto: must be one of {', '.join(PROTOS)}; got {proto!r}")
+    if not 1 <= ttl <= 255:
+        raise ProbeError(f"ttl: must be 1..255; got {ttl}")
+    if not 0 <= dport <= 0xFFFF:
+        raise ProbeError(f"dport: must be 0..65535; got {dport}")
+    res = ProbeResult(dst_ip, dport, proto)
+    t0 = time.perf_counter()
+    todo = [int(p) for p in ports]
+    for _attempt in range(retries + 1):
+        missing: list[int] = []
+        for i in range(0, len(todo), batch):
+            missing += _probe_batch(res, todo[i : i + batch], src_ip, ttl, timeout_s)
+        todo = missing
+        if not todo:
+            break
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _probe_batch(res: ProbeResult, ports: list[int], src_ip: str, ttl: int, timeout_s: float) -> list[int]:
+    socks: dict[int, tuple[socket.socket, int]] = {}
+    poller = select.poll()
+    try:
+        for port in ports:
+            s = _open(res.proto, src_ip, port, ttl)
+            if s is None:
+                res.unusable.append(port)
+                continue
+            try:
+                if res.proto == "udp":
+                    s.sendto(b"ark-probe", (res.dst_ip, res.dport))
+                else:
+                    s.connect_ex((res.dst_ip, res.dport))  # EINPROGRESS: the SYN is out
+            except OSError:
+                s.close()
+                continue
+            res.sent += 1
+            socks[s.fileno()] = (s, port)
+            poller.register(s.fileno(), select.POLLERR)
+        deadline = time.monotonic() + timeout_s
+        pending = set(socks)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for fd, _ev in poller.poll(left * 1000):
+                if fd not in pending:
+                    continue
+                s, port = socks[fd]
+                off = _offender(s)
+                if off is not None:
+                    res.offenders[port] = off
+                    pending.discard(fd)
+                    poller.unregister(fd)
+        return [socks[fd][1] for fd in pending]
+    finally:
+        for s, _ in socks.values():
+            s.close()
+
+
+def sample_ports(port_range: tuple[int, int], n: int, seed: int, exclude: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct ports of the range (all of them when ``n`` is 0 or larger), seeded."""
+    lo, hi = port_range
+    allp = np.setdiff1d(np.arange(lo, hi + 1), np.asarray(exclude, dtype=np.int64))
+    if n <= 0 or n >= len(allp):
+        return [int(p) for p in allp]
+    rng = np.random.default_rng(seed)
+    return sorted(int(p) for p in rng.choice(allp, size=n, replace=False))
+
+
+def pathmap_from_probes(
+    results: Sequence[ProbeResult],
+    routers: Mapping[str, int],
+    *,
+    src_ip: str,
+    paths: int,
+    port_range: tuple[int, int],
+) -> tuple[PathMap, int]:
+    """A (sampled) path map from probe answers, and the number of unknown offenders.
+
+    ``routers`` names the spine (path index) behind each router address.
+    """
+    if not results:
+        raise ProbeError("results: need at least one probe result")
+    buckets: list[list[int]] = [[] for _ in range(paths)]
+    unknown = 0
+    for r in results:
+        for port, off in r.offenders.items():
+            k = routers.get(off)
+            if k is None or not 0 <= k < paths:
+                unknown += 1
+                continue
+            buckets[k].append(port)
+    first = results[0]
+    pm = PathMap(
+        PROBED, 0, PROBED, src_ip, first.dst_ip, first.dport, port_range,
+        tuple(np.asarray(sorted(set(b)), dtype=np.int64) for b in buckets), PROTOS[first.proto],
+    )
+    pm.validate()
+    return pm, unknown
+
+
+def learn(
+    dst_ip: str,
+    dport: int,
+    routers: Mapping[str, int],
+    *,
+    src_ip: str,
+    paths: int,
+    port_range: tuple[int, int],
+    sample: int = 128,
+    min_per_path: int = 4,
+    max_rounds: int = 4,
+    proto: str = "tcp",
+    seed: int = 0,
+    exclude: Sequence[int] = (),
+) -> tuple[PathMap, dict[str, float | int]]:
+    """Probe until every path has ``min_per_path`` ports (or ``max_rounds`` samples), build the map."""
+    results: list[ProbeResult] = []
+    tried: set[int] = set(exclude)
+    pm: PathMap | None = None
+    unknown = 0
+    rounds = 0
+    for rounds in range(1, max_rounds + 1):  # noqa: B007 - reported below
+        ports = sample_ports(port_range, sample, seed + rounds, sorted(tried))
+        if not ports:
+            break
+        tried.update(ports)
+        results.append(probe_ports(dst_ip, dport, ports, proto=proto, src_ip=src_ip))
+        pm, unknown = pathmap_from_probes(results, routers, src_ip=src_ip, paths=paths, port_range=port_range)
+        if min(pm.counts()) >= min_per_path or sample <= 0:
+            break
+    assert pm is not None
+    stats: dict[str, float | int] = {
+        "probes_sent": sum(r.sent for r in results),
+        "answered": sum(len(r.offenders) for r in results),
+        "unknown_offender": unknown,
+        "unusable_ports": sum(len(r.unusable) for r in results),
+        "rounds": rounds,
+        "seconds": round(sum(r.seconds for r in results), 6),
+    }
+    return pm, stats
+
+
+def probe_peers(
+    cluster: Any,
+    host: str,
+    peers: Sequence[str] | None,
+    routers: Mapping[str, int],
+    *,
+    sample: int = 128,
+    min_per_path: int = 4,
+    proto: str = "tcp",
+) -> dict[str, tuple[PathMap, dict[str, float | int]]]:
+    """Learn this host's path map towards each peer (default: every host on another leaf)."""
+    fab = cluster.fabric
+    me = cluster.host(host).index
+    if peers is None:
+        targets = [h.index for h in fab.hosts if fab.n_paths(me, h.index) > 1]
+    else:
+        targets = [cluster.host(p).index for p in peers]
+    out = {}
+    for j in targets:
+        if j == me:
+            raise ProbeError(f"peers: {host} cannot probe itself")
+        pm, stats = learn(
+            fab.hosts[j].ip, cluster.dport, routers, src_ip=fab.hosts[me].ip, paths=fab.n_paths(me, j),
+            port_range=cluster.port_range, sample=sample, min_per_path=min_per_path, proto=proto,
+            seed=me * 100_003 + j,
+        )
+        out[fab.hosts[j].name] = (pm, stats)
+    return out
