@@ -193,3 +193,57 @@ def test_status_reports_peers_and_counters() -> None:
     assert st["ready"] and set(st["peers"]) == {"1", "8", "9"}
     assert all(p["up"] and p["synced"] for p in st["peers"].values())
     assert st["node"]["sync_applied"] == 3
+
+
+def test_reload_pathmaps_repaths_moved_reservations_everywhere():
+    """After a re-hash, a reserved flow whose port leads elsewhere gets a new reservation."""
+    import numpy as np
+
+    from ark.pathmap import PROBED, PathMap
+
+    def probed(buckets):
+        return PathMap(PROBED, 0, PROBED, FAB.hosts[0].ip, FAB.hosts[8].ip, 4791, (100, 199),
+                       tuple(np.asarray(b, dtype=np.int64) for b in buckets), 6)
+
+    class Maps:
+        pm = probed([[100, 101], [110, 111], [120], [130]])
+
+        def __call__(self, src, dst, dport):
+            return self.pm if (src, dst) == (0, 8) else MAPS(src, dst, dport)
+
+    maps = Maps()
+    net = Net()
+    net.nodes[0] = Node(0, FAB, maps, [h for h in HOSTS if h != 0], incarnation=1,
+                        lease=LeasePolicy(min_s=1.0, slack=2.0))
+    net.start()
+    n0 = net.nodes[0]
+    a, outs = n0.reserve(8, 10_000, 2.0)
+    net.emit(0, outs, 2.0)
+    b, outs = n0.reserve(8, 10_000, 2.0)
+    net.emit(0, outs, 2.0)
+    assert (a.path, b.path) == (0, 1)
+    # Spine 0 failed: its ports now hash to spines 2 and 3; spine 1 is unchanged.
+    maps.pm = probed([[], [110, 111], [100, 120], [101, 130]])
+    repathed, outs = n0.reload_pathmaps(2.1)
+    net.emit(0, outs, 2.1)
+    assert list(repathed) == [a.flow_id]
+    new = repathed[a.flow_id]
+    # Port 100 now leads to spine 2, which is free: the reservation follows the port.
+    assert (new.path, new.src_port) == (2, 100) and new.flow_id != a.flow_id
+    # A second re-hash sends port 100 to spine 1, which b holds: a new port on a free path.
+    maps.pm = probed([[], [100, 110, 111], [120], [101, 130]])
+    repathed, outs = n0.reload_pathmaps(2.15)
+    net.emit(0, outs, 2.15)
+    assert list(repathed) == [new.flow_id]
+    new = repathed[new.flow_id]
+    assert (new.path, new.src_port) in ((2, 120), (3, 101), (3, 130))
+    # The old id follows the new reservation; every replica agrees on the table.
+    assert n0.lease_of(a.flow_id) == new
+    assert n0.renew(a.flow_id, 2.2)[0].flow_id == new.flow_id
+    tables = {h: n.core.table(at=2.2) for h, n in net.nodes.items()}
+    assert all(t == tables[0] for t in tables.values())
+    assert a.flow_id not in tables[0] and tables[0][new.flow_id][0] == new.path
+    net.emit(0, n0.release(a.flow_id, 2.3), 2.3)
+    assert new.flow_id not in n0.local_flows() and b.flow_id in n0.local_flows()
+    with pytest.raises(CoreError):
+        n0.lease_of(a.flow_id)

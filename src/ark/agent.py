@@ -89,8 +89,9 @@ class Agent:
             raise CoreError(f"secret key: {keyfile} does not match {host}'s public_key in the cluster file")
         self.public = pub
         self.peers = {h.index: h for h in cluster.hosts if h.index != self.me.index}
+        self.maps = cluster.pathmaps()
         self.node = Node(
-            self.me.index, cluster.fabric, cluster.pathmaps(), list(self.peers),
+            self.me.index, cluster.fabric, self.maps, list(self.peers),
             incarnation=int(time.time() * 1000) % (1 << 30) or 1,
             policy=cluster.policy, seed=int.from_bytes(os.urandom(4), "big"),
             lease=LeasePolicy(cluster.lease_min_s, cluster.lease_slack),
@@ -253,6 +254,13 @@ class Agent:
             pass
         raise ValueError(f"{field}: expected a cluster host ({names}); got {v!r}")
 
+    @staticmethod
+    def _flow_arg(req: dict[str, Any]) -> tuple[int, int]:
+        f = req.get("flow")
+        if not (isinstance(f, list) and len(f) == 2 and all(isinstance(x, int) for x in f)):
+            raise ValueError("flow: expected [host, seq]")
+        return (f[0], f[1])
+
     def _handle(self, body: bytes) -> dict[str, Any]:
         if len(body) > API_MAX_BYTES:
             raise ValueError(f"request: larger than {API_MAX_BYTES} bytes")
@@ -275,10 +283,7 @@ class Agent:
             self._emit(outs)
             return {"ok": True, "lease": _lease_dict(lease)}
         if op in ("renew", "release"):
-            f = req.get("flow")
-            if not (isinstance(f, list) and len(f) == 2 and all(isinstance(x, int) for x in f)):
-                raise ValueError("flow: expected [host, seq]")
-            flow = (f[0], f[1])
+            flow = self._flow_arg(req)
             if op == "renew":
                 lease, outs = self.node.renew(flow, now)
                 self._emit(outs)
@@ -297,7 +302,16 @@ class Agent:
         if op == "ports":
             peer = self._host_arg(req.get("peer"), "peer")
             dport = req.get("dport", self.cluster.dport)
-            return {"ok": True, "ports": self.cluster.pathmaps()(self.me.index, peer, dport).static_ports()}
+            return {"ok": True, "ports": self.maps(self.me.index, peer, dport).static_ports()}
+        if op == "reload":
+            # New path-map files (re-probed after a fabric change): use them from now on.
+            self.maps.clear()
+            repathed, outs = self.node.reload_pathmaps(now)
+            self._emit(outs)
+            log.info(**_ev("reload", host=self.me.name, repathed=[list(f) for f in repathed]))
+            return {"ok": True, "repathed": [{"old": list(f), "lease": _lease_dict(ls)} for f, ls in repathed.items()]}
+        if op == "lease":
+            return {"ok": True, "lease": _lease_dict(self.node.lease_of(self._flow_arg(req)))}
         if op == "table":
             table = self.node.core.table()
             return {"ok": True, "flows": [[f[0], f[1], p, sh] for f, (p, sh) in sorted(table.items())],
@@ -306,7 +320,7 @@ class Agent:
             from prometheus_client import generate_latest
 
             return {"ok": True, "text": generate_latest(self.metrics_registry()).decode()}
-        raise ValueError(f"op: must be one of reserve, renew, release, status, table, ports, metrics; got {op!r}")
+        raise ValueError(f"op: must be one of reserve, renew, release, lease, reload, status, table, ports, metrics; got {op!r}")
 
     # ------------------------------------------------------------------ metrics
     def metrics_registry(self) -> Any:

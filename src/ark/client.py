@@ -99,6 +99,15 @@ class ArkClient:
     def ports(self, peer: str | int, dport: int = 4791) -> list[int]:
         return [int(p) for p in self.call({"op": "ports", "peer": peer, "dport": dport})["ports"]]
 
+    def reload(self) -> dict[tuple[int, int], Lease]:
+        """Re-read the path-map files; returns the re-pathed flows and their new leases."""
+        rep = self.call({"op": "reload"})["repathed"]
+        return {(int(r["old"][0]), int(r["old"][1])): _lease(r["lease"]) for r in rep}
+
+    def current(self, flow_id: tuple[int, int]) -> Lease:
+        """The flow's lease as it stands (a re-pathed flow answers with its new port)."""
+        return _lease(self.call({"op": "lease", "flow": list(flow_id)})["lease"])
+
     def metrics(self) -> str:
         return str(self.call({"op": "metrics"})["text"])
 

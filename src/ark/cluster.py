@@ -106,6 +106,10 @@ class PathMapLoader:
         f = self.cluster.fabric
         return Path(d) / f"{f.hosts[src].name}__{f.hosts[dst].name}__{dport}.json"
 
+    def clear(self) -> None:
+        """Forget loaded maps: the next lookup reads the files again."""
+        self._maps.clear()
+
     def __call__(self, src: int, dst: int, dport: int) -> PathMap:
         key = (src, dst, dport)
         m = self._maps.get(key)

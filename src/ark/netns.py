@@ -98,7 +98,7 @@ def spawn(name: str, argv: Sequence[str], **popen: Any) -> subprocess.Popen[byte
         _setns(fd)
         os.close(fd)
 
-    return subprocess.Popen(list(argv), preexec_fn=enter, **popen)  # noqa: PLW1509 - no threads touch the child
+    return subprocess.Popen(list(argv), preexec_fn=enter, **popen)
 
 
 def pids_in(names: Sequence[str]) -> list[int]:

@@ -233,6 +233,7 @@ class Node:
         self._out_seq = 0
         self._next_hello = -math.inf
         self._local: dict[FlowId, _Local] = {}
+        self._alias: dict[FlowId, FlowId] = {}  # re-pathed flow -> its new reservation
         self.events: deque[Repath] = deque(maxlen=10_000)  # local flows moved by races
 
     # ------------------------------------------------------------------ lifecycle
@@ -262,16 +263,19 @@ class Node:
         return out
 
     # ------------------------------------------------------------------ local API
-    def reserve(self, dst: int, nbytes: int, now: float, dport: int = 4791) -> tuple[Lease, list[Output]]:
+    def reserve(
+        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None
+    ) -> tuple[Lease, list[Output]]:
         if not self.ready:
             raise NotReady("node: resynchronising with peers; retry shortly")
-        dec = self.core.request(dst, nbytes, now, dport)
+        dec = self.core.request(dst, nbytes, now, dport, prefer_port)
         self.events.extend(dec.events)
         expires = self._expiry(dec.flow, now, nbytes)
         self._local[dec.flow] = _Local(dst, dport, nbytes, expires)
         return self._lease(dec.flow), self._publish(dec.messages)
 
     def renew(self, flow: FlowId, now: float) -> tuple[Lease, list[Output]]:
+        flow = self.resolve(flow)
         lo = self._local.get(flow)
         if lo is None:
             raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
@@ -280,17 +284,54 @@ class Node:
         return self._lease(flow), self._publish(msgs)
 
     def release(self, flow: FlowId, now: float) -> list[Output]:
+        old = flow
+        flow = self.resolve(flow)
+        while old in self._alias:  # the owner is done with the whole chain
+            old = self._alias.pop(old)
         if flow not in self._local:
             raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
         return self._release(flow, now)
 
     def lease_of(self, flow: FlowId) -> Lease:
+        flow = self.resolve(flow)
         if flow not in self._local:
             raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
         return self._lease(flow)
 
     def local_flows(self) -> list[FlowId]:
         return list(self._local)
+
+    def resolve(self, flow: FlowId) -> FlowId:
+        """The reservation a flow id stands for now (itself unless it was re-pathed)."""
+        while flow in self._alias:
+            flow = self._alias[flow]
+        return flow
+
+    def reload_pathmaps(self, now: float) -> tuple[dict[FlowId, Lease], list[Output]]:
+        """Take fresh path maps and re-path live reservations whose port moved.
+
+        After a re-hash a reserved flow's port may lead over another spine than its
+        reservation: the table would be wrong. Such a flow is released and reserved
+        anew: on the path its port now leads to when that path is free (the port stays),
+        else on a free path with a new port. Its old id stays valid for renew, release
+        and lease_of, which answer with the new lease, so the owner learns any new port.
+        """
+        moved = self.core.reload_pathmaps()
+        out: list[Output] = []
+        repathed: dict[FlowId, Lease] = {}
+        local = self.core.local_flows()
+        for f in moved:
+            lo = self._local.get(f)
+            if lo is None or not local[f][3]:
+                continue  # unreserved: the table says nothing about it
+            port = local[f][2]
+            out += self._release(f, now)
+            # Keep the port when the path it now leads to is free: nothing has to move.
+            lease, outs = self.reserve(lo.dst, lo.nbytes, now, lo.dport, prefer_port=port)
+            out += outs
+            self._alias[f] = lease.flow_id
+            repathed[f] = lease
+        return repathed, out
 
     # ------------------------------------------------------------------ network input
     def on_message(self, peer: int, data: bytes, now: float) -> list[Output]:

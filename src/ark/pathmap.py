@@ -264,6 +264,8 @@ class PortBuckets:
         self._lists: list[list[int]] = [b.tolist() for b in pathmap.buckets]  # list indexing beats numpy's
         self._cursor = [0] * pathmap.paths
         self.in_use: set[int] = set()
+        # Bit k set: some source port reaches path k.
+        self.usable_mask = sum(1 << k for k, b in enumerate(self._lists) if b)
 
     def take(self, path: int) -> int:
         bucket = self._lists[path]

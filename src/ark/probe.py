@@ -219,7 +219,7 @@ def learn(
     pm: PathMap | None = None
     unknown = 0
     rounds = 0
-    for rounds in range(1, max_rounds + 1):  # noqa: B007 - reported below
+    for rounds in range(1, max_rounds + 1):
         ports = sample_ports(port_range, sample, seed + rounds, sorted(tried))
         if not ports:
             break

@@ -268,8 +268,14 @@ class ArkCore:
         self._horizon = -INF
 
     # ------------------------------------------------------------------ owner API
-    def request(self, dst: int, nbytes: int, now: float, dport: int = 4791) -> Decision:
-        """Pick a path and source port for a new flow to ``dst`` and reserve it."""
+    def request(
+        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None
+    ) -> Decision:
+        """Pick a path and source port for a new flow to ``dst`` and reserve it.
+
+        ``prefer_port``: keep this source port if the path it leads to is free (a
+        re-pathed flow then needs no new connection).
+        """
         if not 0 <= dst < self._n_hosts or dst == self.host:
             raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
         if nbytes < 0:
@@ -288,8 +294,16 @@ class ArkCore:
                 flow, dst, dport, 0, port, flow_label_for_sport(port), False, False, False, ()
             )
         n = len(stages[0])
-        free_path = self._lowest_free(self._stages.pair_sids[(self.host, dst)], n)
+        # A path no known source port reaches (a probed map after a link failure) is not usable.
+        usable = buckets.usable_mask
+        sids = self._stages.pair_sids[(self.host, dst)]
+        free_path = self._lowest_free(sids, n, usable)
         shared = False
+        pinned = None
+        if prefer_port is not None and free_path is not None and prefer_port not in buckets.in_use:
+            pp = buckets.map.path_of(prefer_port) if buckets.map.port_range[0] <= prefer_port <= buckets.map.port_range[1] else -1
+            if pp >= 0 and self._lowest_free(sids, n, usable & (1 << pp)) == pp:
+                free_path, pinned = pp, prefer_port
         if free_path is not None:
             path = free_path
         elif self.policy == "ark":
@@ -303,9 +317,13 @@ class ArkCore:
         else:
             self.counters.fallbacks += 1
             self.counters.shared += 1
-            path = self._balance_choice(stages, n, now)
+            path = self._balance_choice(stages, n, now, usable)
             shared = True
-        port = buckets.take(path)
+        if pinned is not None:
+            port = pinned
+            buckets.claim(port)
+        else:
+            port = buckets.take(path)
         rate = self._rates.get((dst, path))
         if rate is None:
             rate = self._rates[(dst, path)] = float(self.routes.path_rate_bps(self.host, dst, path))
@@ -331,12 +349,12 @@ class ArkCore:
             return 0
         return self._lowest_free(self._stages.pair_sids[(self.host, dst)], len(stages[0]))
 
-    def _lowest_free(self, sids: tuple[int, ...], n: int) -> int | None:
+    def _lowest_free(self, sids: tuple[int, ...], n: int, usable: int = -1) -> int | None:
         busy = 0
         masks = self._stages.masks
         for sid in sids:
             busy |= masks[sid]
-        free = ~busy & ((1 << n) - 1)
+        free = ~busy & ((1 << n) - 1) & usable
         return (free & -free).bit_length() - 1 if free else None
 
     def release(self, flow: FlowId, now: float) -> Released:
@@ -586,6 +604,28 @@ class ArkCore:
             for lk in self._links(self._entries[f].msg, path):
                 users.setdefault(lk, []).append(shared)
         return sorted(lk for lk, sh in users.items() if len(sh) > 1 and not all(sh))
+
+    def reload_pathmaps(self) -> list[FlowId]:
+        """Take fresh path maps (the fabric re-hashed); returns local flows whose port moved.
+
+        Ports in use stay claimed. A listed flow's packets now cross another path than
+        its reservation says; its owner should move it to a new port (a RoCE QP can,
+        mlx5dv_modify_qp_udp_sport; a TCP connection cannot) and reserve again.
+        """
+        old = self._buckets
+        self._buckets = {}
+        for key, b in old.items():
+            nb = self._bucket(*key)
+            for port in b.in_use:
+                nb.claim(port)
+        moved = []
+        for f, o in self._own.items():
+            path = self._bucket(o.dst, o.dport).map.path_of(o.port)
+            if path != o.path:
+                moved.append(f)
+                if not o.reserved and path >= 0:
+                    o.path = path  # nothing reserved: only where its bytes go changed
+        return sorted(moved)
 
     def local_flows(self) -> dict[FlowId, tuple[int, int, int, bool]]:
         """Local flows: flow -> (dst, path, port, reserved)."""
@@ -893,9 +933,11 @@ class ArkCore:
             self.counters.races_lost += 1
         return [Repath(flow, old, own.path, own.port, flow_label_for_sport(own.port), reserved)]
 
-    def _balance_choice(self, stages: tuple[tuple[int, ...], ...], n: int, now: float) -> int:
+    def _balance_choice(self, stages: tuple[tuple[int, ...], ...], n: int, now: float, usable: int = -1) -> int:
         best, best_cost = 0, float("inf")
         for k in range(n):
+            if not usable >> k & 1:
+                continue
             cost = max(self._link_backlog(st[k], now) for st in stages)
             if cost < best_cost:
                 best, best_cost = k, cost

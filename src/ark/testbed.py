@@ -197,7 +197,7 @@ class State:
         spec = raw["spec"]
         spec["port_range"] = tuple(spec["port_range"])
         return cls(TestbedSpec(**spec), d, list(raw["namespaces"]), bool(raw["complete"]),
-                   float(raw.get("built_s", 0.0)), [tuple(x) for x in raw.get("down_links", [])])  # type: ignore[misc]
+                   float(raw.get("built_s", 0.0)), [(int(x[0]), int(x[1])) for x in raw.get("down_links", [])])
 
 
 # ---------------------------------------------------------------------------- build
@@ -219,7 +219,8 @@ def up(spec: TestbedSpec, base: str | None = None, hash_seed: int | None = None)
     why = netns.available()
     if why:
         raise TestbedError(f"testbed: {why}")
-    from pyroute2 import NetNS, netns as pnetns
+    from pyroute2 import NetNS
+    from pyroute2 import netns as pnetns
 
     spec.check()
     lay = Layout(spec)
@@ -384,6 +385,37 @@ def set_link(st: State, leaf: int, spine: int, is_up: bool) -> None:
     elif not is_up and key not in st.down_links:
         st.down_links.append(key)
     st.save()
+    converge(st)
+
+
+def converge(st: State) -> None:
+    """Install the routes a routing protocol would converge to with ``st.down_links`` down.
+
+    Leaf ``b`` reaches leaf ``a`` over every spine both still connect to; a spine reaches
+    a leaf over its link when it is up. The kernel would only skip a dead next hop on the
+    leaf that lost the link, and it deletes (does not restore) the spine's route.
+    """
+    from pyroute2 import NetNS
+
+    lay, spec = st.layout, st.spec
+    down = set(st.down_links)
+    for b in range(spec.leaves):
+        with NetNS(lay.leaf_ns(b)) as ipr:
+            for a in range(spec.leaves):
+                if a == b:
+                    continue
+                hops = [{"gateway": lay.uplink_ips(b, k)[1]} for k in range(spec.spines)
+                        if (b, k) not in down and (a, k) not in down]
+                if hops:
+                    ipr.route("replace", dst=lay.host_subnet(a), multipath=hops)
+                else:
+                    with contextlib.suppress(Exception):
+                        ipr.route("del", dst=lay.host_subnet(a))
+    for k in range(spec.spines):
+        with NetNS(lay.spine_ns(k)) as ipr:
+            for a in range(spec.leaves):
+                if (a, k) not in down:
+                    ipr.route("replace", dst=lay.host_subnet(a), gateway=lay.uplink_ips(a, k)[0])
 
 
 # ---------------------------------------------------------------------------- kernel view
@@ -518,4 +550,4 @@ def counting(st: State) -> Iterator[SpineCounters]:
 
 def spawn_in_host(st: State, i: int, argv: Sequence[str], log: Path) -> Any:
     fh = open(log, "ab")  # noqa: SIM115 - owned by the process
-    return netns.spawn(st.layout.host_ns(i), argv, stdout=fh, stderr=fh, stdin=open(os.devnull, "rb"))  # noqa: SIM115
+    return netns.spawn(st.layout.host_ns(i), argv, stdout=fh, stderr=fh, stdin=open(os.devnull, "rb"))

@@ -20,6 +20,7 @@ import math
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ark.pathmap import PathMap
-from ark.testbed import KernelRoutes, State, TestbedError, counting, spawn_in_host
+from ark.testbed import KernelRoutes, State, TestbedError, counting, set_link, spawn_in_host
 
 TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance")
 Progress = Callable[[str], None]
@@ -47,6 +48,9 @@ class RunParams:
     seed: int = 0
     sample: int = 128  # probed source ports per peer (0: the whole port range)
     lease_min_s: float = 2.0
+    # (leaf, spine, seconds after the first flow): take that link down mid-run; hosts then
+    # re-probe and agents reload their maps. The link comes back at the end of the run.
+    fail_link: tuple[int, int, float] | None = None
 
     def check(self) -> None:
         if self.scheme not in TESTBED_SCHEMES:
@@ -57,6 +61,8 @@ class RunParams:
             raise TestbedError(f"qps: must be > 0; got {self.qps}")
         if self.sample < 0:
             raise TestbedError(f"sample: must be >= 0; got {self.sample}")
+        if self.fail_link is not None and not self.fail_link[2] >= 0:
+            raise TestbedError(f"fail_link: the time must be >= 0 s; got {self.fail_link[2]}")
 
 
 def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[dict[str, Any]], float]:
@@ -228,6 +234,8 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
     work.mkdir(parents=True, exist_ok=True)
     n_hosts = spec.leaves * spec.gpus_per_leaf
     procs: list[subprocess.Popen[bytes]] = []
+    change: dict[str, Any] = {}
+    changer: threading.Thread | None = None
     try:
         receivers = sorted({f["dst_index"] for f in flows})
         for d in receivers:
@@ -265,6 +273,10 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
                 procs.append(p)
                 sprocs.append(p)
             progress(f"{len(flows)} flows from {len(senders)} senders")
+            if params.fail_link is not None:
+                changer = threading.Thread(target=_fabric_change, daemon=True,
+                                           args=(st, params, pairs, cluster, t0, list(apis.values()), change, progress))
+                changer.start()
             limit = max(f["start_s"] for f in flows) + 120
             for p in sprocs:
                 try:
@@ -272,15 +284,42 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
                 except subprocess.TimeoutExpired:
                     raise TestbedError(f"senders still running {limit:.0f} s after the start; see {work}") from None
             time.sleep(0.2)  # the last packets reach the spine counters
+            if changer is not None:
+                changer.join(60)
     finally:
         _stop(procs)
+        if params.fail_link is not None:
+            set_link(st, params.fail_link[0], params.fail_link[1], True)
     results = []
     for s in senders:
         out = work / f"out-gpu{s}.json"
         if not out.exists():
             raise TestbedError(f"sender gpu{s} wrote no results; see {work}/send-gpu{s}.log")
         results += json.loads(out.read_text())
-    return _record(st, params, flows, results, counters, probe_info, load)
+    return _record(st, params, flows, results, counters, probe_info, load, change)
+
+
+def _fabric_change(st: State, params: RunParams, pairs: dict[int, set[int]], cluster: Path, t0: float,
+                   apis: list[str], change: dict[str, Any], progress: Progress) -> None:
+    """Fail a link at its time, re-probe from the hosts, make every agent reload its maps."""
+    from ark.client import ArkClient
+
+    assert params.fail_link is not None
+    leaf, spine, at = params.fail_link
+    time.sleep(max(0.0, t0 + at - time.time()))
+    set_link(st, leaf, spine, False)
+    change["failed_at_s"] = time.time() - t0
+    info = probe(st, pairs, params.sample, cluster)
+    change["probes_sent"] = info["probes_sent"]
+    change["probe_agreement_fraction"] = info["probe_agreement_fraction"]
+    moved = 0
+    for api in apis:
+        with ArkClient(api, timeout_s=5.0) as c:
+            moved += len(c.reload())
+    change["refreshed_at_s"] = time.time() - t0
+    change["moved_live_flows"] = moved
+    progress(f"link leaf{leaf}-spine{spine} down at {change['failed_at_s']:.2f} s; maps refreshed at "
+             f"{change['refreshed_at_s']:.2f} s; {moved} live flows' ports moved")
 
 
 def _maps_present(st: State, pairs: dict[int, set[int]]) -> bool:
@@ -289,7 +328,7 @@ def _maps_present(st: State, pairs: dict[int, set[int]]) -> bool:
 
 
 def _record(st: State, params: RunParams, flows: list[dict[str, Any]], results: list[dict[str, Any]],
-            counters: Any, probe_info: dict[str, Any], load: float) -> dict[str, Any]:
+            counters: Any, probe_info: dict[str, Any], load: float, change: dict[str, Any]) -> dict[str, Any]:
     lay = st.layout
     by_id = {f["id"]: f for f in flows}
     per_flow = []
@@ -297,26 +336,31 @@ def _record(st: State, params: RunParams, flows: list[dict[str, Any]], results: 
     per_spine = [0] * st.spec.spines
     for r in sorted(results, key=lambda r: r["id"]):
         f = by_id[r["id"]]
-        crossed = {}
-        if r["sport"] is not None:
-            key = (lay.host_ip(f["src_index"]), r["sport"], f["dst_ip"], f["dport"])
-            crossed = counters.spines_of(key)
-        actual = max(crossed, key=lambda k: crossed[k]) if crossed else None
+        src_ip = lay.host_ip(f["src_index"])
+        segs = []
+        for sg in r.get("segments") or []:
+            crossed = counters.spines_of((src_ip, sg["sport"], f["dst_ip"], f["dport"]))
+            segs.append({**sg, "spine_bytes": {str(k): v for k, v in sorted(crossed.items())},
+                         "spine": max(crossed, key=lambda k: crossed[k]) if crossed else None})
+        actual = segs[0]["spine"] if segs else None
         if actual is not None:
             per_spine[actual] += 1
-        rec = {"id": r["id"], "src": f["src"], "dst": f["dst"], "bytes": f["bytes"], "start_s": f["start_s"],
-               "sport": r["sport"], "fct_s": r.get("fct_s"), "error": r["error"],
-               "spine_bytes": {str(k): v for k, v in sorted(crossed.items())}, "spine": actual}
+        fr: dict[str, Any] = {"id": r["id"], "src": f["src"], "dst": f["dst"], "bytes": f["bytes"],
+                              "start_s": f["start_s"], "sport": r["sport"], "fct_s": r.get("fct_s"),
+                              "error": r["error"], "spine": actual, "segments": segs}
         if params.scheme != "ecmp" and r["path"] is not None and lay.leaf_of(f["src_index"]) != lay.leaf_of(f["dst_index"]):
-            rec.update(reserved_spine=r["path"], reserved=r["reserved"], reserve_s=r.get("reserve_s"))
-            # Matched: every payload byte crossed the reserved spine, and some did.
-            ok = bool(crossed) and set(crossed) == {r["path"]}
-            rec["path_match"] = ok
+            fr.update(reserved_spine=r["path"], reserved=r["reserved"], reserve_s=r.get("reserve_s"))
+            # Matched: on every connection of the flow, every payload byte crossed the spine
+            # reserved for it, and some bytes were seen.
+            ok = bool(segs) and all(
+                not sg["bytes"] or set(sg["spine_bytes"]) == {str(sg["path"])} for sg in segs
+            ) and any(sg["spine_bytes"] for sg in segs)
+            fr["path_match"] = ok
             checked += 1
             matched += ok
-        per_flow.append(rec)
+        per_flow.append(fr)
     fct = np.asarray([r["fct_s"] for r in per_flow if r["fct_s"] is not None])
-    return {
+    rec: dict[str, Any] = {
         "scheme": params.scheme, "qps": params.qps, "seed": params.seed, "requests": params.requests,
         "scale": st.spec.scale, "link_mbps": st.spec.link_gbps * st.spec.scale * 1e3,
         "offered_load": round(load, 4), "hash_policy": st.spec.hash_policy,
@@ -326,9 +370,19 @@ def _record(st: State, params: RunParams, flows: list[dict[str, Any]], results: 
         "errors": sum(1 for r in per_flow if r["error"]),
         "path_match_fraction": matched / checked if checked else (None if params.scheme == "ecmp" else math.nan),
         "path_checked": checked,
+        "repathed_flows": sum(1 for r in per_flow if len(r["segments"]) > 1),
         "flows_per_spine": per_spine,
         "probes_sent": probe_info["probes_sent"],
         "probe_agreement_fraction": probe_info["probe_agreement_fraction"],
         "probe": {k: v for k, v in probe_info.items() if k != "per_host"},
         "flows": per_flow,
     }
+    if params.fail_link is not None:
+        # Flows that started after every agent had the new maps must all match again.
+        after = [r for r in per_flow if "path_match" in r and r["start_s"] > change.get("refreshed_at_s", math.inf)]
+        rec["fabric_change"] = {
+            **change, "link": list(params.fail_link[:2]),
+            "flows_after_refresh": len(after),
+            "path_match_after_refresh": sum(r["path_match"] for r in after) / len(after) if after else math.nan,
+        }
+    return rec

@@ -7,19 +7,22 @@ prefill host: it starts each planned flow at its time; under ARK the flow first 
 lease from the local agent and binds the lease's source port before connect(), under ECMP
 it lets the kernel pick an ephemeral port. A flow's FCT runs from its planned start (so
 it includes the reservation) to the receiver's close.
+
+A re-path (the agent moved the reservation to a new port after the fabric re-hashed) is
+followed between chunks: the connection ends early and the rest of the bytes go on a
+new connection from the new port, as a KV engine moving a QP's UDP source port would.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import socket
 import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _HEADER = struct.Struct("!Q")
@@ -63,16 +66,38 @@ def serve(bind_ip: str, port: int, ready: str | None = None) -> None:
         threading.Thread(target=_serve_one, args=(conn,), daemon=True).start()
 
 
-def _send(conn: socket.socket, nbytes: int) -> None:
-    conn.sendall(_HEADER.pack(nbytes))
-    left = nbytes
-    while left > 0:
-        k = min(left, len(_CHUNK))
-        conn.sendall(_CHUNK[:k])
-        left -= k
-    # Wait for the receiver's close: the flow is done when every byte has arrived.
-    while conn.recv(64):
-        pass
+_CHECK_S = 0.05  # how often a running ARK flow asks its agent whether it was re-pathed
+
+
+def _segment(src_ip: str, sport: int, f: dict[str, Any], nbytes: int, moved: Callable[[], bool]) -> tuple[int, int]:
+    """Send up to ``nbytes`` on one connection from ``sport``; stop early if ``moved()``.
+
+    Returns (the source port used, bytes delivered). Stopping early shuts the write side:
+    the receiver reads to EOF, so every byte sent so far still arrives.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((src_ip, sport))
+        port = s.getsockname()[1]
+        s.connect((f["dst_ip"], f["dport"]))
+        s.sendall(_HEADER.pack(nbytes))
+        sent, next_check = 0, time.monotonic() + _CHECK_S
+        while sent < nbytes:
+            k = min(nbytes - sent, 1 << 17)
+            s.sendall(_CHUNK[:k])
+            sent += k
+            if sent < nbytes and time.monotonic() >= next_check:
+                next_check = time.monotonic() + _CHECK_S
+                if moved():
+                    s.shutdown(socket.SHUT_WR)
+                    break
+        # Done when the receiver closes: every byte has arrived.
+        while s.recv(64):
+            pass
+        return port, sent
+    finally:
+        s.close()
 
 
 def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[dict[str, Any]]) -> None:
@@ -84,31 +109,33 @@ def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[
         time.sleep(delay)
     rec: dict[str, Any] = {"id": f["id"], "src": f["src"], "dst": f["dst"], "bytes": f["bytes"],
                            "planned_s": f["start_s"], "sport": None, "path": None, "reserved": False,
-                           "shared": False, "lease_flow": None, "error": None}
+                           "lease_flow": None, "segments": [], "error": None}
     client = ArkClient(api, timeout_s=5.0) if api else None
-
-    @contextlib.contextmanager
-    def lease() -> Iterator[int]:
-        if client is None:
-            yield 0
-            return
-        t = time.time()
-        with client.lease(f["dst"], f["bytes"], f["dport"]) as ls:
-            rec.update(reserve_s=time.time() - t, path=ls.path, reserved=ls.reserved,
-                       lease_flow=list(ls.flow_id))
-            yield ls.src_port
-
     try:
-        with lease() as sport:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((src_ip, sport))
-                rec["sport"] = s.getsockname()[1]
-                s.connect((f["dst_ip"], f["dport"]))
-                _send(s, f["bytes"])
-            finally:
-                s.close()
+        left = f["bytes"]
+        if client is None:
+            port, sent = _segment(src_ip, 0, f, left, lambda: False)
+            rec.update(sport=port, segments=[{"sport": port, "bytes": sent, "start_s": f["start_s"]}])
+        else:
+            t = time.time()
+            with client.lease(f["dst"], f["bytes"], f["dport"]) as ls:
+                rec.update(reserve_s=time.time() - t, path=ls.path, reserved=ls.reserved,
+                           lease_flow=list(ls.flow_id), sport=ls.src_port)
+                cur = ls
+                while left > 0:
+                    seg: dict[str, Any] = {"sport": cur.src_port, "path": cur.path, "reserved": cur.reserved,
+                                           "start_s": time.time() - t0}
+                    holder = [cur]
+
+                    def moved(holder: list[Any] = holder, port: int = cur.src_port) -> bool:
+                        holder[0] = client.current(ls.flow_id)
+                        return bool(holder[0].src_port != port)
+
+                    _port, sent = _segment(src_ip, cur.src_port, f, left, moved)
+                    seg["bytes"] = sent
+                    rec["segments"].append(seg)
+                    left -= sent
+                    cur = holder[0]
         rec["fct_s"] = time.time() - planned
     except (OSError, ArkClientError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"

@@ -22,8 +22,8 @@ from ark.hashing import HASH_MODELS, HashError
 from ark.pathmap import PathMapError, compute_buckets, parse_port_range
 from ark.probe import ProbeError
 from ark.protocol import CoreError
-from ark.testbed import TestbedError
 from ark.simulator import SCHEMES, SimError
+from ark.testbed import TestbedError
 from ark.topology import HASH_SELECTIONS, TopologyError
 from ark.workload import WorkloadError
 

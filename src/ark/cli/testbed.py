@@ -172,21 +172,23 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
               help="Repeat for several (default: ecmp and ark).")
 @click.option("--seeds", default="1", show_default=True, help="Seed count N (seeds 0..N-1) or a list like 0,4,7.")
 @click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True, help="Probed ports per peer.")
+@click.option("--fail-link", help="LEAF:SPINE@SECONDS: take that link down mid-run; hosts re-probe, agents reload.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Also write every record (flows included) as JSON.")
 @click.option("--prefix", default="ark", show_default=True)
 @click.option("--state-dir", help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
-def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, out_file: str | None,
-           prefix: str, state_dir: str | None, as_json: bool) -> None:
+def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
+           out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark import testbed_run as tr
 
-    st = _state(prefix, state_dir)
     seed_list = _seeds(seeds) or (0,)
+    failure = _fail_link(fail_link) if fail_link else None
+    st = _state(prefix, state_dir)
     records = []
     for seed in seed_list:
         for scheme in schemes or ("ecmp", "ark"):
-            p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample)
+            p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure)
             records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
     if out_file:
         Path(out_file).write_text(json.dumps(_clean(records), indent=1))
@@ -203,6 +205,23 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
                   str(r["flows_per_spine"]), "-" if pm is None else f"{pm:.2%} of {r['path_checked']}",
                   str(r["probes_sent"]), f"{r['probe_agreement_fraction']:.4%}")
     out.print(t)
+    for r in records:
+        ch = r.get("fabric_change")
+        if ch:
+            out.print(f"{r['scheme']} seed {r['seed']}: link leaf{ch['link'][0]}-spine{ch['link'][1]} down at "
+                      f"{ch['failed_at_s']:.2f} s, maps refreshed at {ch['refreshed_at_s']:.2f} s "
+                      f"({ch['probes_sent']} probes, agreement {ch['probe_agreement_fraction']:.4%}); "
+                      f"{ch['moved_live_flows']} live flows' ports moved; flows started after the refresh "
+                      f"matching their reserved spine: {ch['path_match_after_refresh']:.2%} of {ch['flows_after_refresh']}")
+
+
+def _fail_link(text: str) -> tuple[int, int, float]:
+    try:
+        link, at = text.split("@")
+        leaf, spine = link.split(":")
+        return int(leaf), int(spine), float(at)
+    except ValueError:
+        raise click.BadParameter(f"expected LEAF:SPINE@SECONDS, e.g. 0:1@3; got {text!r}", param_hint="--fail-link") from None
 
 
 def _clean(obj: Any) -> Any:

@@ -1,0 +1,306 @@
+"""The namespace testbed: layout and maps everywhere; build, probing and runs as root."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from ark import netns
+from ark import testbed as tbm
+from ark.pathmap import PROBED, PathMap, PathMapError, PortBuckets
+from ark.probe import ProbeError, ProbeResult, pathmap_from_probes, probe_ports, sample_ports
+from ark.protocol import ArkCore
+from ark.testbed import Layout, State
+from ark.topology import spine_leaf
+
+SMALL = dict(leaves=2, spines=4, gpus_per_leaf=2, prefix="arkt")
+
+
+# --------------------------------------------------------------------------- no root
+def test_layout_addresses_are_distinct_and_name_spines():
+    lay = Layout(tbm.TestbedSpec())
+    ns = lay.namespaces()
+    assert len(ns) == len(set(ns)) == 1 + 4 + 2 + 16
+    assert all(len(n) <= 15 for n in ns)
+    assert lay.host_ip(0) == "10.0.0.1" and lay.host_ip(8) == "10.0.1.1"
+    assert lay.gateway(1) == "10.0.1.254" and lay.host_subnet(1) == "10.0.1.0/24"
+    routers = lay.routers()
+    assert len(routers) == 8 and sorted(set(routers.values())) == [0, 1, 2, 3]
+    assert routers[lay.uplink_ips(1, 3)[1]] == 3
+    assert len({lay.mgmt_ip(i) for i in range(16)}) == 16
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"hash_policy": "crc"}, "hash_policy"), ({"port_range": (40000, 50000)}, "port_range"),
+     ({"prefix": "a-b"}, "prefix"), ({"scale": 2.0}, "scale"), ({"queue_ms": 0.0}, "queue_ms")],
+)
+def test_spec_errors_name_the_field(kw, field):
+    with pytest.raises(tbm.TestbedError, match=f"^{field}: "):
+        tbm.TestbedSpec(**kw).check()
+
+
+def test_scaled_fabric_carries_the_scaled_rates():
+    s = tbm.TestbedSpec(scale=1e-3)
+    assert s.scaled_fabric().link_bps == pytest.approx(1e8)
+    assert s.fabric().link_bps == pytest.approx(1e11)
+
+
+def _probed(buckets, rng=(100, 199)):
+    return PathMap(PROBED, 0, PROBED, "10.0.0.1", "10.0.1.1", 5201, rng,
+                   tuple(np.asarray(b, dtype=np.int64) for b in buckets), 6)
+
+
+def test_probed_map_is_partial_and_round_trips(tmp_path):
+    pm = _probed([[100, 150], [101], [], [199]])
+    assert pm.sampled and pm.path_of(150) == 0 and pm.path_of(120) == -1
+    pm.save(tmp_path / "m.json")
+    back = PathMap.load(tmp_path / "m.json")
+    assert back.counts() == [2, 1, 0, 1] and back.proto == 6 and back.sampled
+    with pytest.raises(PathMapError, match="overlap"):
+        _probed([[100], [100]]).validate()
+    with pytest.raises(PathMapError, match="overlap or leave"):
+        _probed([[99]]).validate()
+
+
+def test_pathmap_from_probes_counts_unknown_routers():
+    r = ProbeResult("10.0.1.1", 5201, "tcp", offenders={100: "172.16.0.1", 101: "172.16.2.1", 102: "9.9.9.9"})
+    pm, unknown = pathmap_from_probes([r], {"172.16.0.1": 0, "172.16.2.1": 2}, src_ip="10.0.0.1", paths=4,
+                                      port_range=(100, 199))
+    assert pm.counts() == [1, 0, 1, 0] and unknown == 1 and pm.proto == 6
+
+
+def test_probe_arguments_are_checked():
+    with pytest.raises(ProbeError, match="^proto: "):
+        probe_ports("10.0.0.1", 1, [1], proto="icmp")
+    with pytest.raises(ProbeError, match="^ttl: "):
+        probe_ports("10.0.0.1", 1, [1], ttl=0)
+
+
+def test_sample_ports_is_seeded_and_distinct():
+    a = sample_ports((20000, 29999), 128, 7)
+    assert a == sample_ports((20000, 29999), 128, 7) and len(set(a)) == 128
+    assert sample_ports((10, 19), 0, 1) == list(range(10, 20))
+    assert 15 not in sample_ports((10, 19), 0, 1, exclude=[15])
+
+
+class _Maps:
+    def __init__(self, pm):
+        self.pm = pm
+
+    def __call__(self, src, dst, dport):
+        return self.pm
+
+
+def test_core_skips_paths_no_probed_port_reaches():
+    fab = spine_leaf(leaves=2, spines=4, gpus_per_leaf=1)
+    maps = _Maps(_probed([[], [110, 111], [], [120]]))
+    core = ArkCore(0, fab, maps)
+    d1 = core.request(1, 1000, 0.0, 5201)
+    d2 = core.request(1, 1000, 0.0, 5201)
+    assert (d1.path, d2.path) == (1, 3)
+    d3 = core.request(1, 1000, 0.0, 5201)  # every usable path busy: ECMP over probed ports only
+    assert d3.fallback and d3.port in (110, 111, 120) and not d3.reserved
+    # A re-probed fabric: the live flow on path 1 now hashes to path 2.
+    maps.pm = _probed([[], [111], [110], [120]])
+    assert core.reload_pathmaps() == [d1.flow]
+    assert PortBuckets(maps.pm).usable_mask == 0b1110
+
+
+def test_testbed_commands_without_a_testbed_fail_in_one_line(tmp_path, capsys):
+    from ark.cli import main
+
+    assert main(["testbed", "run", "--state-dir", str(tmp_path), "--prefix", "nope"]) == 2
+    e = capsys.readouterr().err.strip()
+    assert e.startswith("ark: error: no testbed at") and "\n" not in e
+    assert main(["testbed", "run", "--fail-link", "0-1", "--state-dir", str(tmp_path)]) == 2
+    assert "--fail-link" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- root
+root = pytest.mark.root
+needs_ns = pytest.mark.skipif(netns.available() is not None, reason=f"testbed: {netns.available()}")
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory):
+    from ark import testbed as tb
+
+    base = str(tmp_path_factory.mktemp("tb"))
+    tb.down("arkt", base)  # a crashed earlier run
+    st = tb.up(tbm.TestbedSpec(**SMALL), base)
+    yield st, base
+    tb.down("arkt", base)
+
+
+@root
+@needs_ns
+def test_up_builds_what_the_layout_says(bed):
+    from pyroute2 import NetNS
+
+    st, _ = bed
+    lay = st.layout
+    assert st.complete and all(netns.exists(n) for n in lay.namespaces())
+    leaf = lay.leaf_ns(0)
+    assert netns.read_sysctl(leaf, "net.ipv4.fib_multipath_hash_policy") == "3"
+    assert netns.read_sysctl(leaf, "net.ipv4.fib_multipath_hash_seed") != "0"
+    with NetNS(leaf) as ipr:
+        routes = [r for r in ipr.get_routes(family=socket.AF_INET) if r.get_attr("RTA_MULTIPATH")]
+        assert len(routes) == 1 and len(routes[0].get_attr("RTA_MULTIPATH")) == 4
+        kinds = {ipr.get_links(ipr.link_lookup(ifname=f"s{k}")[0])[0].get_attr("IFLA_IFNAME"):
+                 ipr.get_qdiscs(index=ipr.link_lookup(ifname=f"s{k}")[0])[0].get_attr("TCA_KIND") for k in range(4)}
+    assert set(kinds.values()) == {"tbf"}
+    # Data path across leaves, and the management network between agents' addresses.
+    with netns.inside(lay.host_ns(2)):
+        srv = socket.create_server((lay.host_ip(2), 5999))
+        msrv = socket.create_server((lay.mgmt_ip(2), 5998))
+    with netns.inside(lay.host_ns(0)):
+        socket.create_connection((lay.host_ip(2), 5999), timeout=2).close()
+        socket.create_connection((lay.mgmt_ip(2), 5998), timeout=2).close()
+    srv.close()
+    msrv.close()
+
+
+@root
+@needs_ns
+def test_probes_agree_with_the_kernel_and_protocol_matters(bed):
+    from ark.testbed import KernelRoutes
+
+    st, _ = bed
+    lay = st.layout
+    ports = list(range(20000, 22000))
+    dst = lay.host_ip(2)
+    with netns.inside(lay.host_ns(0)):
+        tcp = probe_ports(dst, 5201, ports, proto="tcp", src_ip=lay.host_ip(0))
+        udp = probe_ports(dst, 5201, ports, proto="udp", src_ip=lay.host_ip(0))
+    routers = lay.routers()
+    kr = KernelRoutes(st, 0)
+    try:
+        kernel = {p: kr.spine(0, dst, p, 5201, 6) for p in ports}
+    finally:
+        kr.close()
+    assert len(tcp.offenders) >= 0.999 * len(ports)
+    agree = sum(routers[o] == kernel[p] for p, o in tcp.offenders.items())
+    assert agree / len(tcp.offenders) >= 0.999
+    assert sorted(set(kernel.values())) == [0, 1, 2, 3]
+    # UDP probes describe UDP flows: the protocol is hashed, so they miss TCP paths ~3/4 of the time.
+    cross = sum(routers[o] == kernel[p] for p, o in udp.offenders.items()) / len(udp.offenders)
+    assert cross < 0.5
+
+
+@root
+@needs_ns
+def test_policy_1_follows_the_socket_hash_not_the_5tuple(bed):
+    from ark.testbed import KernelRoutes
+
+    st, _ = bed
+    lay = st.layout
+    leaf = lay.leaf_ns(0)
+    ports = list(range(23000, 23400))
+    netns.sysctl(leaf, "net.ipv4.fib_multipath_hash_policy", 1)
+    try:
+        with netns.inside(lay.host_ns(0)):
+            tcp = probe_ports(lay.host_ip(2), 5201, ports, proto="tcp", src_ip=lay.host_ip(0))
+        kr = KernelRoutes(st, 0)
+        try:
+            agree = sum(lay.routers()[o] == kr.spine(0, lay.host_ip(2), p, 5201, 6) for p, o in tcp.offenders.items())
+        finally:
+            kr.close()
+    finally:
+        netns.sysctl(leaf, "net.ipv4.fib_multipath_hash_policy", 3)
+    assert agree / len(tcp.offenders) < 0.6  # the sender's random sk_txhash picks the spine
+
+
+@root
+@needs_ns
+def test_link_down_rehashes_and_reprobing_follows(bed):
+    from ark import testbed as tb
+    from ark import testbed_run as tr
+
+    st, _ = bed
+    pairs = {0: {2, 3}, 1: {2, 3}}
+    tb.set_link(st, 0, 1, False)
+    try:
+        info = tr.probe(st, pairs, 64)
+        assert info["probe_agreement_fraction"] >= 0.999
+        pm = PathMap.load(st.dir / "maps" / "gpu0__gpu2__5201.json")
+        assert pm.counts()[1] == 0 and min(pm.counts()[k] for k in (0, 2, 3)) >= 4
+        assert State.load(st.dir).down_links == [(0, 1)]
+    finally:
+        tb.set_link(st, 0, 1, True)
+    assert tr.probe(st, pairs, 64)["probe_agreement_fraction"] >= 0.999
+    assert PathMap.load(st.dir / "maps" / "gpu0__gpu2__5201.json").counts()[1] > 0
+
+
+@root
+@needs_ns
+def test_small_run_ark_flows_cross_their_reserved_spines(bed):
+    from ark import testbed_run as tr
+
+    st, _ = bed
+    ark = tr.run(st, tr.RunParams(scheme="ark", requests=16, qps=8.0, seed=1, sample=64))
+    assert ark["errors"] == 0 and len(ark["flows"]) == 16
+    assert ark["path_checked"] == 16 and ark["path_match_fraction"] == 1.0
+    assert ark["probe_agreement_fraction"] >= 0.999 and ark["probes_sent"] >= 2 * 64
+    assert all(f["fct_s"] > 0 and f["spine"] == f["reserved_spine"] and len(f["segments"]) == 1 for f in ark["flows"])
+    ecmp = tr.run(st, tr.RunParams(scheme="ecmp", requests=16, qps=8.0, seed=1, sample=64), reprobe=False)
+    assert ecmp["errors"] == 0 and ecmp["path_match_fraction"] is None
+    assert sum(ecmp["flows_per_spine"]) == 16  # counters saw every flow on some spine
+    # Same plan, same bytes: only the paths differ.
+    assert [f["bytes"] for f in ecmp["flows"]] == [f["bytes"] for f in ark["flows"]]
+
+
+@root
+@needs_ns
+def test_cli_run_json_keys_and_fabric_change(bed, capsys):
+    from ark.cli import main
+
+    st, base = bed
+    rc = main(["testbed", "run", "--requests", "24", "--qps", "6", "--scheme", "ark", "--sample", "64",
+               "--fail-link", "0:2@1.0", "--prefix", "arkt", "--state-dir", base, "--json"])
+    assert rc == 0
+    rec = json.loads(capsys.readouterr().out)
+    for key in ("scheme", "flows", "fct_mean_s", "fct_p95_s", "path_match_fraction", "probe_agreement_fraction",
+                "probes_sent"):
+        assert key in rec
+    ch = rec["fabric_change"]
+    assert ch["probe_agreement_fraction"] >= 0.999 and ch["flows_after_refresh"] > 0
+    assert ch["path_match_after_refresh"] == 1.0
+    after = [f for f in rec["flows"] if f["start_s"] > ch["refreshed_at_s"]]
+    assert all(f["reserved_spine"] != 2 for f in after)  # no probed port reaches spine 2 any more
+    assert State.load(st.dir).down_links == []  # the run brought the link back
+
+
+@root
+@needs_ns
+def test_down_removes_everything_even_after_a_crash(tmp_path):
+    from pyroute2 import netns as pnetns
+
+    from ark import testbed as tb
+
+    base = str(tmp_path)
+    # A crash before the state file listed anything: names with the prefix are still found.
+    pnetns.create("arkc-gpu0")
+    pnetns.create("arkc-spine3")
+    pnetns.create("arkc-other")  # not a testbed name: left alone
+    try:
+        p = netns.spawn("arkc-gpu0", ["sleep", "30"])
+        removed = tb.down("arkc", base)
+        assert sorted(removed) == ["arkc-gpu0", "arkc-spine3"]
+        assert p.wait(5) is not None  # processes inside were killed
+        assert netns.exists("arkc-other")
+        assert tb.down("arkc", base) == []  # idempotent
+        # A full build and teardown leaves nothing behind.
+        st = tb.up(tbm.TestbedSpec(leaves=2, spines=2, gpus_per_leaf=1, prefix="arkc"), base)
+        assert all(netns.exists(n) for n in st.namespaces)
+        with pytest.raises(tbm.TestbedError, match="exists"):
+            tb.up(tbm.TestbedSpec(leaves=2, spines=2, gpus_per_leaf=1, prefix="arkc"), base)
+        tb.down("arkc", base)
+        assert netns.listed("arkc-") == ["arkc-other"] and not os.path.exists(os.path.join(base, "arkc"))
+    finally:
+        pnetns.remove("arkc-other")
+        tb.down("arkc", base)
