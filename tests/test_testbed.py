@@ -140,7 +140,7 @@ def bed(tmp_path_factory):
 @root
 @needs_ns
 def test_up_builds_what_the_layout_says(bed):
-    from pyroute2 import NetNS
+    from ark.testbed import rtnl
 
     st, _ = bed
     lay = st.layout
@@ -148,7 +148,7 @@ def test_up_builds_what_the_layout_says(bed):
     leaf = lay.leaf_ns(0)
     assert netns.read_sysctl(leaf, "net.ipv4.fib_multipath_hash_policy") == "3"
     assert netns.read_sysctl(leaf, "net.ipv4.fib_multipath_hash_seed") != "0"
-    with NetNS(leaf) as ipr:
+    with rtnl(leaf) as ipr:
         routes = [r for r in ipr.get_routes(family=socket.AF_INET) if r.get_attr("RTA_MULTIPATH")]
         assert len(routes) == 1 and len(routes[0].get_attr("RTA_MULTIPATH")) == 4
         kinds = {ipr.get_links(ipr.link_lookup(ifname=f"s{k}")[0])[0].get_attr("IFLA_IFNAME"):

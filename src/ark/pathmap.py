@@ -268,10 +268,18 @@ class PortBuckets:
         self.usable_mask = sum(1 << k for k, b in enumerate(self._lists) if b)
 
     def take(self, path: int) -> int:
+        port = self.try_take(path)
+        if port is None:
+            n = len(self._lists[path])
+            if n == 0:
+                raise PathMapError(f"path {path}: no source port in range maps to it")
+            raise PathMapError(f"path {path}: all {n} source ports are in use")
+        return port
+
+    def try_take(self, path: int) -> int | None:
+        """A free port of ``path`` (marked in use), or None when there is none."""
         bucket = self._lists[path]
         n = len(bucket)
-        if n == 0:
-            raise PathMapError(f"path {path}: no source port in range maps to it")
         c = self._cursor[path]
         for i in range(n):
             port: int = bucket[(c + i) % n]
@@ -279,7 +287,7 @@ class PortBuckets:
                 self._cursor[path] = (c + i + 1) % n
                 self.in_use.add(port)
                 return port
-        raise PathMapError(f"path {path}: all {n} source ports are in use")
+        return None
 
     def claim(self, port: int) -> None:
         self.in_use.add(port)

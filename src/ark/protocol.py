@@ -116,6 +116,9 @@ class _Own:
     path: int
     port: int
     reserved: bool
+    # Ports the flow held before a re-path: its owner may still be sending on them until
+    # it moves, so they stay claimed until the flow is released.
+    stale: list[int] = field(default_factory=list)
 
 
 class Repath(NamedTuple):
@@ -362,7 +365,9 @@ class ArkCore:
         own = self._own.pop(flow, None)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
-        self._bucket(own.dst, own.dport).give(own.port)
+        buckets = self._bucket(own.dst, own.dport)
+        for port in (own.port, *own.stale):
+            buckets.give(port)
         if flow not in self._entries:
             return Released((), ())
         msg = Release(flow, float(now))
@@ -621,9 +626,10 @@ class ArkCore:
         moved = []
         for f, o in self._own.items():
             path = self._bucket(o.dst, o.dport).map.path_of(o.port)
-            if path != o.path:
+            # -1: the new map does not know the port (not probed, e.g. busy): no evidence it moved.
+            if path != o.path and path >= 0:
                 moved.append(f)
-                if not o.reserved and path >= 0:
+                if not o.reserved:
                     o.path = path  # nothing reserved: only where its bytes go changed
         return sorted(moved)
 
@@ -925,9 +931,21 @@ class ArkCore:
         old = own.path
         if new_path != own.path:
             buckets = self._bucket(own.dst, own.dport)
-            buckets.give(own.port)
-            own.port = buckets.take(new_path)
-            own.path = new_path
+            own.stale.append(own.port)
+            port = buckets.try_take(new_path)
+            if port is not None:
+                own.port, own.path = port, new_path
+            else:
+                # The table's path is one our map has no free port for (a probed map after
+                # a link failure: every replica agrees on the table, only we know the map).
+                # Our bytes cannot go there: run unreserved on a random known port.
+                reserved = False
+                try:
+                    own.port = self._random_port(buckets)
+                    own.path = buckets.map.path_of(own.port)
+                except CoreError:  # no port at all: keep the old one rather than fail
+                    own.stale.pop()
+                    self.counters.fallbacks += 1
         own.reserved = reserved
         if race:
             self.counters.races_lost += 1

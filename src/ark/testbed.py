@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import math
 import os
 import random
 import signal
@@ -201,6 +202,18 @@ class State:
 
 
 # ---------------------------------------------------------------------------- build
+def rtnl(name: str) -> Any:
+    """A pyroute2 IPRoute whose netlink socket lives in namespace ``name``.
+
+    Opened from a thread switched into the namespace: cheaper than pyroute2's NetNS,
+    which starts a helper for each handle.
+    """
+    from pyroute2 import IPRoute
+
+    with netns.inside(name):
+        return IPRoute()
+
+
 def _tbf(ipr: Any, ifname: str, bps: float, queue_ms: float) -> None:
     idx = ipr.link_lookup(ifname=ifname)[0]
     burst = max(6000, int(bps / 8 * 1e-3))  # ~1 ms at line rate, at least 4 MTU-size packets
@@ -219,7 +232,6 @@ def up(spec: TestbedSpec, base: str | None = None, hash_seed: int | None = None)
     why = netns.available()
     if why:
         raise TestbedError(f"testbed: {why}")
-    from pyroute2 import NetNS
     from pyroute2 import netns as pnetns
 
     spec.check()
@@ -236,7 +248,7 @@ def up(spec: TestbedSpec, base: str | None = None, hash_seed: int | None = None)
             st.namespaces.append(n)
             st.save()
             pnetns.create(n)
-            handles[n] = NetNS(n)
+            handles[n] = rtnl(n)
             _up(handles[n], "lo")
             with contextlib.suppress(OSError):  # no IPv6: keeps router chatter off the captures
                 netns.sysctl(n, "net.ipv6.conf.all.disable_ipv6", 1)
@@ -371,13 +383,11 @@ def status(prefix: str = "ark", base: str | None = None) -> dict[str, Any]:
 
 def set_link(st: State, leaf: int, spine: int, is_up: bool) -> None:
     """Take the leaf-spine link down or back up (both ends), as a failure would."""
-    from pyroute2 import NetNS
-
     if not (0 <= leaf < st.spec.leaves and 0 <= spine < st.spec.spines):
         raise TestbedError(f"link: leaf must be 0..{st.spec.leaves - 1}, spine 0..{st.spec.spines - 1}")
     lay = st.layout
     for ns, ifname in ((lay.leaf_ns(leaf), f"s{spine}"), (lay.spine_ns(spine), f"l{leaf}")):
-        with NetNS(ns) as ipr:
+        with rtnl(ns) as ipr:
             ipr.link("set", index=ipr.link_lookup(ifname=ifname)[0], state="up" if is_up else "down")
     key = (leaf, spine)
     if is_up and key in st.down_links:
@@ -395,12 +405,10 @@ def converge(st: State) -> None:
     a leaf over its link when it is up. The kernel would only skip a dead next hop on the
     leaf that lost the link, and it deletes (does not restore) the spine's route.
     """
-    from pyroute2 import NetNS
-
     lay, spec = st.layout, st.spec
     down = set(st.down_links)
     for b in range(spec.leaves):
-        with NetNS(lay.leaf_ns(b)) as ipr:
+        with rtnl(lay.leaf_ns(b)) as ipr:
             for a in range(spec.leaves):
                 if a == b:
                     continue
@@ -412,7 +420,7 @@ def converge(st: State) -> None:
                     with contextlib.suppress(Exception):
                         ipr.route("del", dst=lay.host_subnet(a))
     for k in range(spec.spines):
-        with NetNS(lay.spine_ns(k)) as ipr:
+        with rtnl(lay.spine_ns(k)) as ipr:
             for a in range(spec.leaves):
                 if (a, k) not in down:
                     ipr.route("replace", dst=lay.host_subnet(a), gateway=lay.uplink_ips(a, k)[0])
@@ -478,25 +486,35 @@ _PACKET_OUTGOING = 4
 _ETH_P_ALL = 0x0003  # transmitted packets reach only ETH_P_ALL taps
 
 
+_SO_TIMESTAMPNS = 35  # also SCM_TIMESTAMPNS
+_TS = struct.Struct("qq")
+_GAP_S = 0.02  # a pause this long starts a new interval (a later connection may reuse the tuple)
+
+Interval = list[float]  # [first packet time, last packet time, payload bytes]
+
+
 class SpineCounters:
     """Payload bytes per TCP 4-tuple leaving each spine, from AF_PACKET sockets in the spines.
 
     Counting at the spine's egress sees each packet once; the key is
     (src ip, src port, dst ip, dst port). Only payload is counted, so ACKs (which ECMP
     may send over any spine on the way back) do not blur which spine carried a flow.
+    Bytes are kept in time intervals stamped by the kernel, so that a later connection
+    reusing a 4-tuple is told apart from an earlier one by when its bytes passed.
     """
 
-    def __init__(self, st: State) -> None:
+    def __init__(self, st: State, open_sockets: bool = True) -> None:
         self.st = st
-        self.bytes: list[dict[tuple[str, int, str, int], int]] = [{} for _ in range(st.spec.spines)]
+        self.bytes: list[dict[tuple[str, int, str, int], list[Interval]]] = [{} for _ in range(st.spec.spines)]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._socks = []
-        for k in range(st.spec.spines):
+        for k in range(st.spec.spines if open_sockets else 0):
             with netns.inside(st.layout.spine_ns(k)):
                 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
             s.settimeout(0.1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            s.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
             self._socks.append(s)
 
     def start(self) -> None:
@@ -505,11 +523,13 @@ class SpineCounters:
             t.start()
             self._threads.append(t)
 
-    def _loop(self, s: socket.socket, counts: dict[tuple[str, int, str, int], int]) -> None:
+    def _loop(self, s: socket.socket, counts: dict[tuple[str, int, str, int], list[Interval]]) -> None:
         buf = bytearray(128)
+        bufs = [buf]
+        anc = socket.CMSG_SPACE(_TS.size)
         while not self._stop.is_set():
             try:
-                n, addr = s.recvfrom_into(buf, 128, socket.MSG_TRUNC)
+                n, ancdata, _, addr = s.recvmsg_into(bufs, anc, socket.MSG_TRUNC)
             except TimeoutError:
                 continue
             except OSError:
@@ -522,9 +542,22 @@ class SpineCounters:
             payload = n - t - doff  # n is the full length (MSG_TRUNC), GSO packets included
             if payload <= 0:
                 continue
+            now = time.time()
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+                    sec, nsec = _TS.unpack_from(data)
+                    now = sec + nsec * 1e-9
             key = (socket.inet_ntoa(buf[26:30]), (buf[t] << 8) | buf[t + 1],
                    socket.inet_ntoa(buf[30:34]), (buf[t + 2] << 8) | buf[t + 3])
-            counts[key] = counts.get(key, 0) + payload
+            ivs = counts.get(key)
+            if ivs is None:
+                counts[key] = [[now, now, payload]]
+            elif now - ivs[-1][1] > _GAP_S:
+                ivs.append([now, now, payload])
+            else:
+                last = ivs[-1]
+                last[1] = max(last[1], now)
+                last[2] += payload
 
     def stop(self) -> None:
         self._stop.set()
@@ -533,21 +566,76 @@ class SpineCounters:
         for s in self._socks:
             s.close()
 
-    def spines_of(self, key: tuple[str, int, str, int]) -> dict[int, int]:
-        """Spine -> payload bytes for one flow."""
-        return {k: c[key] for k, c in enumerate(self.bytes) if c.get(key)}
+    def spines_of(self, key: tuple[str, int, str, int], t0: float = -math.inf, t1: float = math.inf,
+                  slack_s: float = 0.005) -> dict[int, int]:
+        """Spine -> payload bytes of one 4-tuple that passed between wall times ``t0`` and ``t1``."""
+        out = {}
+        for k, c in enumerate(self.bytes):
+            total = sum(int(b) for a, z, b in c.get(key, ()) if z >= t0 - slack_s and a <= t1 + slack_s)
+            if total:
+                out[k] = total
+        return out
 
 
 @contextlib.contextmanager
 def counting(st: State) -> Iterator[SpineCounters]:
+    """Spine counters in a separate process (capture threads would starve the caller of the GIL).
+
+    The yielded counters are filled when the block ends.
+    """
+    import subprocess
+    import sys
+
+    out = st.dir / "capture.json"
+    ready = st.dir / "capture.ready"
+    for f in (out, ready):
+        f.unlink(missing_ok=True)
+    p = subprocess.Popen([sys.executable, "-m", "ark.testbed", "capture", str(st.dir), str(out), str(ready)],
+                         stdin=subprocess.DEVNULL)
+    counters = SpineCounters(st, open_sockets=False)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise TestbedError("spine capture did not start")
+            time.sleep(0.02)
+        yield counters
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if out.exists():
+        raw = json.loads(out.read_text())
+        counters.bytes = [{tuple(json.loads(k)): v for k, v in c.items()} for c in raw]
+
+
+def _capture_main(argv: Sequence[str]) -> int:
+    """``python -m ark.testbed capture STATE_DIR OUT READY``: count until SIGTERM, write OUT."""
+    d, out, ready = Path(argv[0]), Path(argv[1]), Path(argv[2])
+    st = State.load(d)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     c = SpineCounters(st)
     c.start()
-    try:
-        yield c
-    finally:
-        c.stop()
+    ready.write_text("ready\n")
+    while not stop.wait(0.2):
+        pass
+    c.stop()
+    out.write_text(json.dumps([{json.dumps(list(k)): v for k, v in spine.items()} for spine in c.bytes]))
+    return 0
 
 
 def spawn_in_host(st: State, i: int, argv: Sequence[str], log: Path) -> Any:
     fh = open(log, "ab")  # noqa: SIM115 - owned by the process
     return netns.spawn(st.layout.host_ns(i), argv, stdout=fh, stderr=fh, stdin=open(os.devnull, "rb"))
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) == 5 and sys.argv[1] == "capture":
+        sys.exit(_capture_main(sys.argv[2:]))
+    sys.exit("usage: python -m ark.testbed capture STATE_DIR OUT READY")

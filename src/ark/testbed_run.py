@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -231,7 +232,8 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
         probe_info = {"probes_sent": 0, "probe_agreement_fraction": agree / total if total else math.nan,
                       "probed_ports": total}
     work = st.dir / f"run-{params.scheme}-{params.seed}"
-    work.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(work, ignore_errors=True)  # logs and results of this run only
+    work.mkdir(parents=True)
     n_hosts = spec.leaves * spec.gpus_per_leaf
     procs: list[subprocess.Popen[bytes]] = []
     change: dict[str, Any] = {}
@@ -307,9 +309,11 @@ def _fabric_change(st: State, params: RunParams, pairs: dict[int, set[int]], clu
     assert params.fail_link is not None
     leaf, spine, at = params.fail_link
     time.sleep(max(0.0, t0 + at - time.time()))
+    change["failing_at_s"] = time.time() - t0
     set_link(st, leaf, spine, False)
-    change["failed_at_s"] = time.time() - t0
+    change["failed_at_s"] = time.time() - t0  # link down and routes converged
     info = probe(st, pairs, params.sample, cluster)
+    change["probe_wall_s"] = info["probe_wall_s"]
     change["probes_sent"] = info["probes_sent"]
     change["probe_agreement_fraction"] = info["probe_agreement_fraction"]
     moved = 0
@@ -339,7 +343,7 @@ def _record(st: State, params: RunParams, flows: list[dict[str, Any]], results: 
         src_ip = lay.host_ip(f["src_index"])
         segs = []
         for sg in r.get("segments") or []:
-            crossed = counters.spines_of((src_ip, sg["sport"], f["dst_ip"], f["dport"]))
+            crossed = counters.spines_of((src_ip, sg["sport"], f["dst_ip"], f["dport"]), sg["t0"], sg["t1"])
             segs.append({**sg, "spine_bytes": {str(k): v for k, v in sorted(crossed.items())},
                          "spine": max(crossed, key=lambda k: crossed[k]) if crossed else None})
         actual = segs[0]["spine"] if segs else None

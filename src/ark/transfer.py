@@ -16,6 +16,7 @@ new connection from the new port, as a KV engine moving a QP's UDP source port w
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import socket
 import struct
@@ -69,18 +70,36 @@ def serve(bind_ip: str, port: int, ready: str | None = None) -> None:
 _CHECK_S = 0.05  # how often a running ARK flow asks its agent whether it was re-pathed
 
 
+def _connect(src_ip: str, sport: int, dst: tuple[str, int], patience_s: float = 2.0) -> socket.socket:
+    """Connect from ``sport``; wait out a short-lived holder of the same 4-tuple.
+
+    A path probe (ark probe) briefly owns the 4-tuple of the port it probes; connect()
+    then fails with EADDRNOTAVAIL until the probe socket closes (well under a second).
+    """
+    deadline = time.monotonic() + patience_s
+    while True:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((src_ip, sport))
+            s.connect(dst)
+            return s
+        except OSError as e:
+            s.close()
+            if e.errno != errno.EADDRNOTAVAIL or sport == 0 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
 def _segment(src_ip: str, sport: int, f: dict[str, Any], nbytes: int, moved: Callable[[], bool]) -> tuple[int, int]:
     """Send up to ``nbytes`` on one connection from ``sport``; stop early if ``moved()``.
 
     Returns (the source port used, bytes delivered). Stopping early shuts the write side:
     the receiver reads to EOF, so every byte sent so far still arrives.
     """
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s = _connect(src_ip, sport, (f["dst_ip"], f["dport"]))
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((src_ip, sport))
         port = s.getsockname()[1]
-        s.connect((f["dst_ip"], f["dport"]))
         s.sendall(_HEADER.pack(nbytes))
         sent, next_check = 0, time.monotonic() + _CHECK_S
         while sent < nbytes:
@@ -114,8 +133,10 @@ def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[
     try:
         left = f["bytes"]
         if client is None:
+            t = time.time()
             port, sent = _segment(src_ip, 0, f, left, lambda: False)
-            rec.update(sport=port, segments=[{"sport": port, "bytes": sent, "start_s": f["start_s"]}])
+            rec.update(sport=port, segments=[{"sport": port, "bytes": sent, "start_s": t - t0, "t0": t,
+                                              "t1": time.time()}])
         else:
             t = time.time()
             with client.lease(f["dst"], f["bytes"], f["dport"]) as ls:
@@ -131,8 +152,9 @@ def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[
                         holder[0] = client.current(ls.flow_id)
                         return bool(holder[0].src_port != port)
 
+                    seg["t0"] = time.time()
                     _port, sent = _segment(src_ip, cur.src_port, f, left, moved)
-                    seg["bytes"] = sent
+                    seg.update(bytes=sent, t1=time.time())
                     rec["segments"].append(seg)
                     left -= sent
                     cur = holder[0]
