@@ -304,3 +304,27 @@ def test_down_removes_everything_even_after_a_crash(tmp_path):
     finally:
         pnetns.remove("arkc-other")
         tb.down("arkc", base)
+
+
+def test_cluster_probe_keys_are_checked(tmp_path):
+    from ark.cluster import ClusterError, from_dict
+
+    base = {"fabric": {"preset": "paper"},
+            "hosts": [{"name": "gpu0", "control": "tcp://10.9.0.1:7100", "api": "ipc:///tmp/a.sock",
+                       "public_key": "x" * 40}]}
+    with pytest.raises(ClusterError, match="^cluster.routers_file: needs pathmap_dir"):
+        from_dict({**base, "cluster": {"routers_file": "r.json"}})
+    with pytest.raises(ClusterError, match="^cluster.probe_proto: must be one of udp, tcp"):
+        from_dict({**base, "cluster": {"probe_proto": "icmp"}})
+    c = from_dict({**base, "cluster": {"pathmap_dir": "m", "routers_file": "r.json", "probe_sample": 0}}, tmp_path)
+    assert c.routers_file == str(tmp_path / "r.json") and c.probe_sample == 0 and c.probe_proto == "udp"
+
+
+def test_routers_file_errors_are_one_line(tmp_path):
+    from ark.probe import load_routers
+
+    (tmp_path / "r.json").write_text("[1, 2]")
+    with pytest.raises(ProbeError, match="^routers_file: .* must be a JSON object"):
+        load_routers(str(tmp_path / "r.json"))
+    (tmp_path / "r.json").write_text('{"172.16.0.1": 0}')
+    assert load_routers(str(tmp_path / "r.json")) == {"172.16.0.1": 0}

@@ -25,8 +25,10 @@ import json
 import logging
 import math
 import os
+import queue
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -99,6 +101,10 @@ class Agent:
             sync_timeout_s=cluster.sync_timeout_s, retention_s=cluster.retention_s,
         )
         self._stop = False
+        # Path refresh by probing runs in a worker thread (it waits on ICMP answers);
+        # its result comes back here and is applied by the main loop.
+        self._refresh: threading.Thread | None = None
+        self._refreshed: queue.SimpleQueue[tuple[bytes, dict[str, Any]]] = queue.SimpleQueue()
         self._up: dict[int, bool] = {}
         self.dropped_out = 0
         self._key_host = {h.public_key.encode(): h.index for h in cluster.hosts}
@@ -184,6 +190,8 @@ class Agent:
                     self._emit(self.node.tick(now))
                     self._watch_peers(now)
                     next_tick = now + tick_every
+                while not self._refreshed.empty():
+                    self._finish_refresh(*self._refreshed.get())
                 if self.node.ready and not was_ready:
                     was_ready = True
                     log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
@@ -238,10 +246,42 @@ class Agent:
             return
         rid, body = frames[0], frames[-1]
         try:
-            reply = self._handle(body)
+            reply = self._handle(body, rid)
         except (CoreError, ProtocolError, ValueError, KeyError, TypeError) as e:
             reply = {"ok": False, "error": str(e), "not_ready": isinstance(e, NotReady)}
+        if reply is not None:  # None: answered later (refresh)
+            self._reply(rid, reply)
+
+    def _reply(self, rid: bytes, reply: dict[str, Any]) -> None:
         self.api.send_multipart([rid, b"", msgpack.packb(reply, use_bin_type=True)])
+
+    def _start_refresh(self, rid: bytes, peers: list[str] | None) -> None:
+        from ark.probe import refresh
+
+        if self._refresh is not None and self._refresh.is_alive():
+            raise ValueError("refresh: one is already running")
+        if self.cluster.routers_file is None:
+            raise ValueError("refresh: the cluster file has no routers_file to probe with")
+
+        def work() -> None:
+            try:
+                res: dict[str, Any] = {"ok": True, "probed": refresh(self.cluster, self.me.name, peers)}
+            except Exception as e:  # reported to the caller, never fatal to the agent
+                res = {"ok": False, "error": f"refresh: {e}"}
+            self._refreshed.put((rid, res))
+
+        self._refresh = threading.Thread(target=work, name="ark-refresh", daemon=True)
+        self._refresh.start()
+
+    def _finish_refresh(self, rid: bytes, res: dict[str, Any]) -> None:
+        if res.get("ok"):
+            self.maps.clear()
+            repathed, outs = self.node.reload_pathmaps(time.time())
+            self._emit(outs)
+            res["repathed"] = [{"old": list(f), "lease": _lease_dict(ls)} for f, ls in repathed.items()]
+            log.info(**_ev("refresh", host=self.me.name, peers=sorted(res["probed"]),
+                           repathed=[list(f) for f in repathed]))
+        self._reply(rid, res)
 
     def _host_arg(self, v: Any, field: str) -> int:
         names = ", ".join(h.name for h in self.cluster.hosts)
@@ -261,7 +301,7 @@ class Agent:
             raise ValueError("flow: expected [host, seq]")
         return (f[0], f[1])
 
-    def _handle(self, body: bytes) -> dict[str, Any]:
+    def _handle(self, body: bytes, rid: bytes = b"") -> dict[str, Any] | None:
         if len(body) > API_MAX_BYTES:
             raise ValueError(f"request: larger than {API_MAX_BYTES} bytes")
         try:
@@ -310,6 +350,15 @@ class Agent:
             self._emit(outs)
             log.info(**_ev("reload", host=self.me.name, repathed=[list(f) for f in repathed]))
             return {"ok": True, "repathed": [{"old": list(f), "lease": _lease_dict(ls)} for f, ls in repathed.items()]}
+        if op == "refresh":
+            # Re-probe (the fabric changed), then reload: the reply comes when done.
+            peers = req.get("peers")
+            if peers is not None and not (isinstance(peers, list) and all(isinstance(p, str) for p in peers)):
+                raise ValueError("peers: expected a list of host names")
+            for p in peers or ():
+                self.cluster.host(p)
+            self._start_refresh(rid, peers)
+            return None
         if op == "lease":
             return {"ok": True, "lease": _lease_dict(self.node.lease_of(self._flow_arg(req)))}
         if op == "table":
@@ -320,7 +369,7 @@ class Agent:
             from prometheus_client import generate_latest
 
             return {"ok": True, "text": generate_latest(self.metrics_registry()).decode()}
-        raise ValueError(f"op: must be one of reserve, renew, release, lease, reload, status, table, ports, metrics; got {op!r}")
+        raise ValueError(f"op: must be one of reserve, renew, release, lease, reload, refresh, status, table, ports, metrics; got {op!r}")
 
     # ------------------------------------------------------------------ metrics
     def metrics_registry(self) -> Any:

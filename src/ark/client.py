@@ -104,6 +104,19 @@ class ArkClient:
         rep = self.call({"op": "reload"})["repathed"]
         return {(int(r["old"][0]), int(r["old"][1])): _lease(r["lease"]) for r in rep}
 
+    def refresh(self, peers: list[str] | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Make the agent re-probe its peers and reload; its probe figures and re-pathed flows."""
+        c = ArkClient(self.endpoint, timeout_s, self._ctx)  # probing takes longer than a call
+        try:
+            req: dict[str, Any] = {"op": "refresh"}
+            if peers is not None:
+                req["peers"] = list(peers)
+            rep = c.call(req)
+        finally:
+            c.close()
+        return {"probed": rep["probed"],
+                "repathed": {(int(r["old"][0]), int(r["old"][1])): _lease(r["lease"]) for r in rep["repathed"]}}
+
     def current(self, flow_id: tuple[int, int]) -> Lease:
         """The flow's lease as it stands (a re-pathed flow answers with its new port)."""
         return _lease(self.call({"op": "lease", "flow": list(flow_id)})["lease"])

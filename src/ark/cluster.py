@@ -13,6 +13,10 @@ Example::
     sync_timeout_s = 1.0
     retention_s = 5.0
     # pathmap_dir = "maps"         # optional: <src>__<dst>__<dport>.json files (ark pathmap --save)
+    # routers_file = "routers.json"  # optional: router address -> path index; lets the agent
+    #                              # probe (ark probe, API op "refresh") into pathmap_dir
+    # probe_proto = "udp"          # probe with your flows' protocol (RoCEv2: udp)
+    # probe_sample = 128           # probed source ports per peer (0: the whole port_range)
 
     [fabric]                       # the same keys as an experiment config's [fabric]
     preset = "paper"
@@ -75,6 +79,9 @@ class Cluster:
     sync_timeout_s: float = 1.0
     retention_s: float = 5.0
     pathmap_dir: str | None = None
+    routers_file: str | None = None  # JSON: router address -> path index, for probing
+    probe_proto: str = "udp"
+    probe_sample: int = 128
 
     def host(self, name: str) -> HostEntry:
         for h in self.hosts:
@@ -141,7 +148,7 @@ def _get(d: dict[str, Any], key: str, kind: type, where: str, default: Any = Non
 
 _CLUSTER_KEYS = (
     "policy", "dport", "port_range", "lease_min_s", "lease_slack", "heartbeat_s", "peer_timeout_s",
-    "sync_timeout_s", "retention_s", "pathmap_dir",
+    "sync_timeout_s", "retention_s", "pathmap_dir", "routers_file", "probe_proto", "probe_sample",
 )
 _HOST_KEYS = ("name", "control", "api", "public_key", "secret_key_file", "metrics_port")
 
@@ -180,6 +187,17 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
     pdir = _get(c, "pathmap_dir", str, "cluster")
     if pdir is not None and base is not None and not Path(pdir).is_absolute():
         pdir = str(base / pdir)
+    routers = _get(c, "routers_file", str, "cluster")
+    if routers is not None and base is not None and not Path(routers).is_absolute():
+        routers = str(base / routers)
+    if routers is not None and pdir is None:
+        raise ClusterError("cluster.routers_file: needs pathmap_dir, where probed maps are written")
+    proto = _get(c, "probe_proto", str, "cluster", "udp")
+    if proto not in ("udp", "tcp"):
+        raise ClusterError(f"cluster.probe_proto: must be one of udp, tcp; got {proto!r}")
+    sample = _get(c, "probe_sample", int, "cluster", 128)
+    if sample < 0:
+        raise ClusterError(f"cluster.probe_sample: must be >= 0 (0: the whole port range); got {sample}")
     hosts_raw = d.get("hosts")
     if not isinstance(hosts_raw, list) or not hosts_raw:
         raise ClusterError("hosts: needs one or more [[hosts]] tables")
@@ -221,6 +239,7 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
     return Cluster(
         fabric, tuple(hosts), policy, dport, port_range, nums["lease_min_s"], nums["lease_slack"],
         nums["heartbeat_s"], nums["peer_timeout_s"], nums["sync_timeout_s"], nums["retention_s"], pdir,
+        routers, proto, sample,
     )
 
 

@@ -160,7 +160,11 @@ class PathMap:
             raise PathMapError("path map: buckets do not partition the port range")
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict()))
+        # Atomic: an agent may load the file while a refresh rewrites it.
+        p = Path(path)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text(json.dumps(self.to_dict()))
+        tmp.replace(p)
 
     @classmethod
     def load(cls, path: str | Path) -> PathMap:

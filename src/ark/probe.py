@@ -274,3 +274,42 @@ def probe_peers(
         )
         out[fab.hosts[j].name] = (pm, stats)
     return out
+
+
+def load_routers(path: str) -> dict[str, int]:
+    """A routers file: JSON object, router (spine) address -> path index."""
+    import json
+    from pathlib import Path
+
+    try:
+        raw = json.loads(Path(path).read_text())
+        if not isinstance(raw, dict):
+            raise ValueError("not an object")
+        return {str(k): int(v) for k, v in raw.items()}
+    except (OSError, ValueError, TypeError) as e:
+        raise ProbeError(f"routers_file: {path} must be a JSON object of address -> path index ({e})") from None
+
+
+def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Probe as the cluster file says and write the maps to its pathmap_dir.
+
+    Default peers: those this host already has probed maps for, else every host behind
+    another leaf. Returns per peer the probe figures and ports per path.
+    """
+    from pathlib import Path
+
+    if cluster.routers_file is None or cluster.pathmap_dir is None:
+        raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
+    routers = load_routers(cluster.routers_file)
+    d = Path(cluster.pathmap_dir)
+    if peers is None:
+        known = [h.name for h in cluster.hosts if h.name != host
+                 and (d / f"{host}__{h.name}__{cluster.dport}.json").exists()]
+        peers = known or None
+    learnt = probe_peers(cluster, host, peers, routers, sample=cluster.probe_sample, proto=cluster.probe_proto)
+    d.mkdir(parents=True, exist_ok=True)
+    out: dict[str, dict[str, Any]] = {}
+    for peer, (pm, stats) in learnt.items():
+        pm.save(d / f"{host}__{peer}__{cluster.dport}.json")
+        out[peer] = {**stats, "ports_per_path": pm.counts()}
+    return out

@@ -94,7 +94,7 @@ def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[di
     return flows, load
 
 
-def cluster_file(st: State, policy: str, lease_min_s: float) -> Path:
+def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) -> Path:
     """Keys (once) and a cluster file whose agents talk over the management network."""
     import zmq.auth
 
@@ -106,7 +106,8 @@ def cluster_file(st: State, policy: str, lease_min_s: float) -> Path:
     lines = [
         "[cluster]", f'policy = "{policy}"', f"dport = {spec.dport}",
         f'port_range = "{spec.port_range[0]}-{spec.port_range[1]}"', f"lease_min_s = {lease_min_s}",
-        "heartbeat_s = 0.5", "peer_timeout_s = 2.0", "sync_timeout_s = 1.0", 'pathmap_dir = "maps"', "",
+        "heartbeat_s = 0.5", "peer_timeout_s = 2.0", "sync_timeout_s = 1.0", 'pathmap_dir = "maps"',
+        'routers_file = "routers.json"', 'probe_proto = "tcp"', f"probe_sample = {sample}", "",
         "[fabric]", f"leaves = {spec.leaves}", f"spines = {spec.spines}", f"gpus_per_leaf = {spec.gpus_per_leaf}",
         f"link_gbps = {spec.link_gbps * spec.scale!r}", f"nic_gbps = {spec.nic_gbps * spec.scale!r}",
         'transport = "tcp-1500"', "",
@@ -120,6 +121,7 @@ def cluster_file(st: State, policy: str, lease_min_s: float) -> Path:
         lines += ["[[hosts]]", f'name = "{name}"', f'control = "{lay.control(i)}"',
                   f'api = "ipc://{st.dir}/api/{name}.sock"', f'public_key = "{pub.decode()}"',
                   f'secret_key_file = "keys/{name}.key_secret"', ""]
+    (st.dir / "routers.json").write_text(json.dumps(lay.routers()))
     path = st.dir / f"cluster-{policy}.toml"
     path.write_text("\n".join(lines))
     return path
@@ -132,14 +134,11 @@ def probe(st: State, pairs: dict[int, set[int]], sample: int, cluster: Path | No
     Returns the probe cost and the agreement of every probed port with the kernel.
     """
     cluster = cluster or cluster_file(st, "ark", 2.0)
-    routers = st.dir / "routers.json"
-    routers.write_text(json.dumps(st.layout.routers()))
     t0 = time.perf_counter()
     procs = {}
     for src, dsts in sorted(pairs.items()):
         argv = [sys.executable, "-m", "ark", "probe", "--cluster", str(cluster), "--host", f"gpu{src}",
-                "--peers", ",".join(f"gpu{d}" for d in sorted(dsts)), "--routers", str(routers),
-                "--sample", str(sample), "--json"]
+                "--peers", ",".join(f"gpu{d}" for d in sorted(dsts)), "--sample", str(sample), "--json"]
         procs[src] = spawn_in_host(st, src, argv, st.dir / f"probe-gpu{src}.log")
     stats: dict[str, Any] = {}
     for src, p in procs.items():
@@ -223,7 +222,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
         if lay.leaf_of(f["src_index"]) != lay.leaf_of(f["dst_index"]):
             pairs.setdefault(f["src_index"], set()).add(f["dst_index"])
     policy = params.scheme if params.scheme != "ecmp" else "ark"
-    cluster = cluster_file(st, policy, params.lease_min_s)
+    cluster = cluster_file(st, policy, params.lease_min_s, params.sample)
     probe_info: dict[str, Any] = {"probes_sent": 0, "probe_agreement_fraction": math.nan}
     if pairs and (reprobe or not _maps_present(st, pairs)):
         probe_info = probe(st, pairs, params.sample, cluster, progress)
@@ -277,7 +276,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
             progress(f"{len(flows)} flows from {len(senders)} senders")
             if params.fail_link is not None:
                 changer = threading.Thread(target=_fabric_change, daemon=True,
-                                           args=(st, params, pairs, cluster, t0, list(apis.values()), change, progress))
+                                           args=(st, params, pairs, cluster, t0, apis, change, progress))
                 changer.start()
             limit = max(f["start_s"] for f in flows) + 120
             for p in sprocs:
@@ -302,8 +301,8 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
 
 
 def _fabric_change(st: State, params: RunParams, pairs: dict[int, set[int]], cluster: Path, t0: float,
-                   apis: list[str], change: dict[str, Any], progress: Progress) -> None:
-    """Fail a link at its time, re-probe from the hosts, make every agent reload its maps."""
+                   apis: dict[int, str], change: dict[str, Any], progress: Progress) -> None:
+    """Fail a link at its time; every source host re-probes and re-paths (agents: API ``refresh``)."""
     from ark.client import ArkClient
 
     assert params.fail_link is not None
@@ -312,18 +311,34 @@ def _fabric_change(st: State, params: RunParams, pairs: dict[int, set[int]], clu
     change["failing_at_s"] = time.time() - t0
     set_link(st, leaf, spine, False)
     change["failed_at_s"] = time.time() - t0  # link down and routes converged
-    info = probe(st, pairs, params.sample, cluster)
-    change["probe_wall_s"] = info["probe_wall_s"]
+    if apis:
+        answers: dict[int, dict[str, Any]] = {}
+
+        def one(src: int) -> None:
+            with ArkClient(apis[src]) as c:
+                answers[src] = c.refresh([f"gpu{d}" for d in sorted(pairs[src])])
+
+        workers = [threading.Thread(target=one, args=(src,)) for src in pairs]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        if len(answers) != len(pairs):
+            raise TestbedError("refresh: some agents did not answer")
+        probed = [v for a in answers.values() for v in a["probed"].values()]
+        moved = sum(len(a["repathed"]) for a in answers.values())
+        agree, total = check_maps(st, pairs)
+        info = {"probes_sent": sum(v["probes_sent"] for v in probed),
+                "probe_agreement_fraction": agree / total if total else math.nan}
+    else:
+        info = probe(st, pairs, params.sample, cluster)
+        moved = 0
+    change["refreshed_at_s"] = time.time() - t0
     change["probes_sent"] = info["probes_sent"]
     change["probe_agreement_fraction"] = info["probe_agreement_fraction"]
-    moved = 0
-    for api in apis:
-        with ArkClient(api, timeout_s=5.0) as c:
-            moved += len(c.reload())
-    change["refreshed_at_s"] = time.time() - t0
-    change["moved_live_flows"] = moved
+    change["repathed_live_flows"] = moved
     progress(f"link leaf{leaf}-spine{spine} down at {change['failed_at_s']:.2f} s; maps refreshed at "
-             f"{change['refreshed_at_s']:.2f} s; {moved} live flows' ports moved")
+             f"{change['refreshed_at_s']:.2f} s; {moved} live reservations re-pathed")
 
 
 def _maps_present(st: State, pairs: dict[int, set[int]]) -> bool:

@@ -37,40 +37,37 @@ def _finite(v: Any) -> Any:
 @click.command("probe")
 @click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False), required=True)
 @click.option("--host", required=True, help="This host's name in the cluster file.")
-@click.option("--peers", help="Comma-separated peer names (default: every host behind another leaf).")
-@click.option("--routers", type=click.Path(dir_okay=False, exists=True), required=True,
-              help="JSON object: router (spine) address -> path index.")
-@click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True,
-              help="Source ports probed per peer per round (0: the whole port range).")
-@click.option("--min-per-path", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Probe more rounds until every path has this many ports.")
-@click.option("--proto", type=click.Choice(["tcp", "udp"]), default="tcp", show_default=True,
-              help="Probe with the protocol your flows use (the ECMP hash includes it).")
+@click.option("--peers", help="Comma-separated peer names (default: peers already probed, else every host behind another leaf).")
+@click.option("--routers", type=click.Path(dir_okay=False), help="JSON: router (spine) address -> path index (default: the cluster's routers_file).")
+@click.option("--sample", type=click.IntRange(min=0), help="Source ports probed per peer per round; 0: all (default: the cluster's probe_sample).")
+@click.option("--proto", type=click.Choice(["tcp", "udp"]), help="Probe with your flows' protocol: the ECMP hash includes it (default: the cluster's probe_proto).")
 @click.option("--json", "as_json", is_flag=True)
-def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str, sample: int, min_per_path: int,
-              proto: str, as_json: bool) -> None:
+def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | None, sample: int | None,
+              proto: str | None, as_json: bool) -> None:
     """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""
+    import dataclasses
+
     from ark import cluster as clmod
-    from ark.probe import probe_peers
+    from ark.probe import refresh
 
     c = clmod.load(cluster_path)
     if c.pathmap_dir is None:
         raise clmod.ClusterError("cluster.pathmap_dir: required to store probed maps")
-    try:
-        rmap = {str(k): int(v) for k, v in json.loads(Path(routers).read_text()).items()}
-    except (ValueError, AttributeError) as e:
-        raise click.BadParameter(f"not a JSON object of address -> path index ({e})", param_hint="--routers") from None
+    c.host(host)
+    over: dict[str, Any] = {}
+    if routers is not None:
+        over["routers_file"] = routers
+    if sample is not None:
+        over["probe_sample"] = sample
+    if proto is not None:
+        over["probe_proto"] = proto
+    c = dataclasses.replace(c, **over)
     names = [p for p in peers.split(",") if p] if peers else None
-    learnt = probe_peers(c, host, names, rmap, sample=sample, min_per_path=min_per_path, proto=proto)
-    Path(c.pathmap_dir).mkdir(parents=True, exist_ok=True)
-    summary = {}
-    for peer, (pm, stats) in learnt.items():
-        pm.save(Path(c.pathmap_dir) / f"{host}__{peer}__{c.dport}.json")
-        summary[peer] = {**stats, "ports_per_path": pm.counts()}
+    summary = refresh(c, host, names)
     if as_json:
         click.echo(json.dumps(summary))
         return
-    t = Table(title=f"{host}: probed path maps ({proto})")
+    t = Table(title=f"{host}: probed path maps ({c.probe_proto})")
     for col in ("peer", "probes", "answered", "seconds", "ports per path"):
         t.add_column(col)
     for peer, s in summary.items():
@@ -211,7 +208,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
             out.print(f"{r['scheme']} seed {r['seed']}: link leaf{ch['link'][0]}-spine{ch['link'][1]} down at "
                       f"{ch['failed_at_s']:.2f} s, maps refreshed at {ch['refreshed_at_s']:.2f} s "
                       f"({ch['probes_sent']} probes, agreement {ch['probe_agreement_fraction']:.4%}); "
-                      f"{ch['moved_live_flows']} live flows' ports moved; flows started after the refresh "
+                      f"{ch['repathed_live_flows']} live reservations re-pathed; flows started after the refresh "
                       f"matching their reserved spine: {ch['path_match_after_refresh']:.2%} of {ch['flows_after_refresh']}")
 
 
