@@ -72,6 +72,17 @@ def test_reserve_renew_release_over_real_sockets(trio) -> None:
         assert "ark_reservations" in c.metrics()
         ports = c.ports(dst)
         assert len(ports) == 4 and len(set(ports)) == 4
+        # Fabric-change ops: the current lease follows the flow; maps reload in place.
+        lease = c.reserve(dst, 10**6)
+        assert c.current(lease.flow_id) == lease
+        assert c.reload() == {}  # the same maps: nothing moved
+        with pytest.raises(ArkClientError, match="refresh: the cluster file has no routers_file"):
+            c.refresh()
+        with pytest.raises(ArkClientError, match="peers: expected a list"):
+            c.call({"op": "refresh", "peers": "gpu1"})
+        c.release(lease.flow_id)
+        with pytest.raises(ArkClientError, match="not an active local flow"):
+            c.current(lease.flow_id)
 
 
 def test_lease_context_manager_renews_until_exit(trio) -> None:

@@ -165,3 +165,22 @@ class ArkClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def wait_ready(endpoints: list[str], timeout_s: float = 30.0) -> None:
+    """Wait until every agent answers and is ready to reserve (synced with its peers)."""
+    deadline = time.monotonic() + timeout_s
+    for ep in endpoints:
+        c = ArkClient(ep, timeout_s=0.5)
+        try:
+            while True:
+                try:
+                    if c.status()["ready"]:
+                        break
+                except ArkClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise ArkClientError(f"agent at {ep} not ready after {timeout_s} s")
+                time.sleep(0.05)
+        finally:
+            c.close()

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ark.client import AgentNotReady, ArkClient, ArkClientError
+from ark.client import AgentNotReady, ArkClient, ArkClientError, wait_ready
 
 HELD_BYTES = 10**10  # the long-lived leases: 10 GB, a lease of a few seconds
 
@@ -139,21 +139,7 @@ class AgentProcs:
         self.procs.clear()
 
     def wait_ready(self, names: list[str], timeout_s: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for name in names:
-            c = ArkClient(self.api(name), timeout_s=0.5)
-            try:
-                while True:
-                    try:
-                        if c.status()["ready"]:
-                            break
-                    except ArkClientError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise ArkClientError(f"agent {name} not ready after {timeout_s} s")
-                    time.sleep(0.05)
-            finally:
-                c.close()
+        wait_ready([self.api(n) for n in names], timeout_s)
 
 
 def _status(procs: AgentProcs, names: list[str], samples: int = 0) -> dict[str, dict[str, Any]]:

@@ -304,8 +304,9 @@ class ArkCore:
         shared = False
         pinned = None
         if prefer_port is not None and free_path is not None and prefer_port not in buckets.in_use:
-            pp = buckets.map.path_of(prefer_port) if buckets.map.port_range[0] <= prefer_port <= buckets.map.port_range[1] else -1
-            if pp >= 0 and self._lowest_free(sids, n, usable & (1 << pp)) == pp:
+            lo, hi = buckets.map.port_range
+            pp = buckets.map.path_of(prefer_port) if lo <= prefer_port <= hi else -1
+            if pp >= 0 and self._lowest_free(sids, n, 1 << pp) == pp:  # its path is free
                 free_path, pinned = pp, prefer_port
         if free_path is not None:
             path = free_path
@@ -614,8 +615,9 @@ class ArkCore:
         """Take fresh path maps (the fabric re-hashed); returns local flows whose port moved.
 
         Ports in use stay claimed. A listed flow's packets now cross another path than
-        its reservation says; its owner should move it to a new port (a RoCE QP can,
-        mlx5dv_modify_qp_udp_sport; a TCP connection cannot) and reserve again.
+        its reservation says: the caller (``Node.reload_pathmaps``) reserves it again,
+        and its owner moves to the new port if it changed (a RoCE QP through
+        mlx5dv_modify_qp_udp_sport, a TCP sender on a new connection).
         """
         old = self._buckets
         self._buckets = {}

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from ark.client import wait_ready
 from ark.pathmap import PathMap
 from ark.testbed import KernelRoutes, State, TestbedError, counting, set_link, spawn_in_host
 
@@ -178,26 +179,6 @@ def check_maps(st: State, pairs: dict[int, set[int]]) -> tuple[int, int]:
     return agree, total
 
 
-def _wait_ready(apis: Sequence[str], timeout_s: float) -> None:
-    from ark.client import ArkClient, ArkClientError
-
-    deadline = time.monotonic() + timeout_s
-    for api in apis:
-        c = ArkClient(api, timeout_s=0.5)
-        try:
-            while True:
-                try:
-                    if c.status()["ready"]:
-                        break
-                except ArkClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TestbedError(f"agent at {api} not ready after {timeout_s} s")
-                time.sleep(0.05)
-        finally:
-            c.close()
-
-
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -252,7 +233,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
                                                    "--host", f"gpu{i}", "--log-level", "warning"],
                                            work / f"agent-gpu{i}.log"))
                 apis[i] = f"ipc://{st.dir}/api/gpu{i}.sock"
-            _wait_ready(list(apis.values()), 60.0)
+            wait_ready(list(apis.values()), 60.0)
             progress(f"{len(apis)} agents ready")
         deadline = time.monotonic() + 30
         while not all((work / f"ready-gpu{d}").exists() for d in receivers):
@@ -303,6 +284,14 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
 def _fabric_change(st: State, params: RunParams, pairs: dict[int, set[int]], cluster: Path, t0: float,
                    apis: dict[int, str], change: dict[str, Any], progress: Progress) -> None:
     """Fail a link at its time; every source host re-probes and re-paths (agents: API ``refresh``)."""
+    try:
+        _change(st, params, pairs, cluster, t0, apis, change, progress)
+    except Exception as e:  # reported in the record; the run itself goes on
+        change["error"] = f"{type(e).__name__}: {e}"
+
+
+def _change(st: State, params: RunParams, pairs: dict[int, set[int]], cluster: Path, t0: float,
+            apis: dict[int, str], change: dict[str, Any], progress: Progress) -> None:
     from ark.client import ArkClient
 
     assert params.fail_link is not None
@@ -389,6 +378,8 @@ def _record(st: State, params: RunParams, flows: list[dict[str, Any]], results: 
         "errors": sum(1 for r in per_flow if r["error"]),
         "path_match_fraction": matched / checked if checked else (None if params.scheme == "ecmp" else math.nan),
         "path_checked": checked,
+        # Packets the spine capture rings had no room for (0: every byte was seen).
+        "capture_drops": counters.drops,
         "repathed_flows": sum(1 for r in per_flow if len(r["segments"]) > 1),
         "flows_per_spine": per_spine,
         "probes_sent": probe_info["probes_sent"],

@@ -204,7 +204,9 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     out.print(t)
     for r in records:
         ch = r.get("fabric_change")
-        if ch:
+        if ch and "error" in ch:
+            err.print(f"{r['scheme']} seed {r['seed']}: the fabric change failed: {ch['error']}", highlight=False)
+        elif ch:
             out.print(f"{r['scheme']} seed {r['seed']}: link leaf{ch['link'][0]}-spine{ch['link'][1]} down at "
                       f"{ch['failed_at_s']:.2f} s, maps refreshed at {ch['refreshed_at_s']:.2f} s "
                       f"({ch['probes_sent']} probes, agreement {ch['probe_agreement_fraction']:.4%}); "
