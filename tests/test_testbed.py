@@ -218,13 +218,24 @@ def test_policy_1_follows_the_socket_hash_not_the_5tuple(bed):
 @root
 @needs_ns
 def test_link_down_rehashes_and_reprobing_follows(bed):
+    from ark import cluster as clmod
     from ark import testbed as tb
     from ark import testbed_run as tr
+    from ark.probe import check
 
     st, _ = bed
     pairs = {0: {2, 3}, 1: {2, 3}}
+    cfile = tr.cluster_file(st, "ark", 2.0, 64)
+    tr.probe(st, pairs, 64, cfile)
+    cl = clmod.load(cfile)
+    host0 = st.layout.host_ns(0)
+    with netns.inside(host0):  # where gpu0's agent runs its checks
+        assert check(cl, "gpu0") == ([], 2 * 16)  # 4 ports x 4 paths x 2 peers, all still true
     tb.set_link(st, 0, 1, False)
     try:
+        with netns.inside(host0):
+            changed, _ = check(cl, "gpu0")
+        assert changed == ["gpu2", "gpu3"]  # the leaf re-hashed: the periodic check sees it
         info = tr.probe(st, pairs, 64)
         assert info["probe_agreement_fraction"] >= 0.999
         pm = PathMap.load(st.dir / "maps" / "gpu0__gpu2__5201.json")
@@ -270,6 +281,9 @@ def test_cli_run_json_keys_and_fabric_change(bed, capsys):
     ch = rec["fabric_change"]
     assert ch["probe_agreement_fraction"] >= 0.999 and ch["flows_after_refresh"] > 0
     assert ch["path_match_after_refresh"] == 1.0
+    # Both source agents noticed the re-hash by their periodic checks (or were told to refresh).
+    assert len(ch["detected_at_s"]) + len(ch["told_to_refresh"]) == 2 and ch["detected_at_s"]
+    assert all(ch["failing_at_s"] < t < ch["failing_at_s"] + 10 for t in ch["detected_at_s"].values())
     after = [f for f in rec["flows"] if f["start_s"] > ch["refreshed_at_s"]]
     assert all(f["reserved_spine"] != 2 for f in after)  # no probed port reaches spine 2 any more
     assert State.load(st.dir).down_links == []  # the run brought the link back

@@ -104,7 +104,14 @@ class Agent:
         # Path refresh by probing runs in a worker thread (it waits on ICMP answers);
         # its result comes back here and is applied by the main loop.
         self._refresh: threading.Thread | None = None
-        self._refreshed: queue.SimpleQueue[tuple[bytes, dict[str, Any]]] = queue.SimpleQueue()
+        self._refreshed: queue.SimpleQueue[tuple[bytes | None, dict[str, Any]]] = queue.SimpleQueue()
+        self._next_check = time.time() + cluster.probe_check_s
+        self.refreshes = 0  # path maps re-probed and reloaded
+        self.detected = 0  # of those, started by the periodic check
+        self.check_probes = 0
+        self.refresh_probes = 0
+        self.repathed = 0
+        self.last_refresh: float | None = None
         self._up: dict[int, bool] = {}
         self.dropped_out = 0
         self._key_host = {h.public_key.encode(): h.index for h in cluster.hosts}
@@ -192,6 +199,10 @@ class Agent:
                     next_tick = now + tick_every
                 while not self._refreshed.empty():
                     self._finish_refresh(*self._refreshed.get())
+                if self.cluster.probe_check_s and now >= self._next_check:
+                    self._next_check = now + self.cluster.probe_check_s
+                    if self._refresh is None or not self._refresh.is_alive():
+                        self._start_refresh(None, None, check=True)
                 if self.node.ready and not was_ready:
                     was_ready = True
                     log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
@@ -255,7 +266,13 @@ class Agent:
     def _reply(self, rid: bytes, reply: dict[str, Any]) -> None:
         self.api.send_multipart([rid, b"", msgpack.packb(reply, use_bin_type=True)])
 
-    def _start_refresh(self, rid: bytes, peers: list[str] | None) -> None:
+    def _start_refresh(self, rid: bytes | None, peers: list[str] | None, check: bool = False) -> None:
+        """Probe in a worker thread; the main loop applies the result (``_finish_refresh``).
+
+        ``check``: first re-probe a few ports per peer and refresh only the peers whose
+        map no longer holds (nobody waits for an answer).
+        """
+        from ark.probe import check as check_maps
         from ark.probe import refresh
 
         if self._refresh is not None and self._refresh.is_alive():
@@ -264,8 +281,15 @@ class Agent:
             raise ValueError("refresh: the cluster file has no routers_file to probe with")
 
         def work() -> None:
+            res: dict[str, Any]
             try:
-                res: dict[str, Any] = {"ok": True, "probed": refresh(self.cluster, self.me.name, peers)}
+                todo = peers
+                if check:
+                    todo, sent = check_maps(self.cluster, self.me.name, seed=int(time.time() * 1000))
+                    self.check_probes += sent
+                    if not todo:
+                        return
+                res = {"ok": True, "probed": refresh(self.cluster, self.me.name, todo), "detected": check}
             except Exception as e:  # reported to the caller, never fatal to the agent
                 res = {"ok": False, "error": f"refresh: {e}"}
             self._refreshed.put((rid, res))
@@ -273,15 +297,31 @@ class Agent:
         self._refresh = threading.Thread(target=work, name="ark-refresh", daemon=True)
         self._refresh.start()
 
-    def _finish_refresh(self, rid: bytes, res: dict[str, Any]) -> None:
+    def _finish_refresh(self, rid: bytes | None, res: dict[str, Any]) -> None:
         if res.get("ok"):
-            self.maps.clear()
-            repathed, outs = self.node.reload_pathmaps(time.time())
-            self._emit(outs)
-            res["repathed"] = [{"old": list(f), "lease": _lease_dict(ls)} for f, ls in repathed.items()]
-            log.info(**_ev("refresh", host=self.me.name, peers=sorted(res["probed"]),
-                           repathed=[list(f) for f in repathed]))
-        self._reply(rid, res)
+            try:
+                res["repathed"] = self._reload(time.time())
+                self.refreshes += 1
+                self.refresh_probes += sum(int(v["probes_sent"]) for v in res["probed"].values())
+                self.detected += bool(res.get("detected"))
+                self.last_refresh = time.time()
+                log.info(**_ev("paths_refreshed", host=self.me.name, peers=sorted(res["probed"]),
+                               detected=bool(res.get("detected"))))
+            except (CoreError, ValueError) as e:
+                res = {"ok": False, "error": f"reload: {e}"}
+        elif rid is None:
+            log.warning(**_ev("refresh_failed", host=self.me.name, error=res.get("error")))
+        if rid is not None:
+            self._reply(rid, res)
+
+    def _reload(self, now: float) -> list[dict[str, Any]]:
+        """Use the path-map files as they are now; re-path reservations whose port moved."""
+        self.maps.clear()
+        repathed, outs = self.node.reload_pathmaps(now)
+        self._emit(outs)
+        self.repathed += len(repathed)
+        log.info(**_ev("maps_reloaded", host=self.me.name, repathed=[list(f) for f in repathed]))
+        return [{"old": list(f), "lease": _lease_dict(ls)} for f, ls in repathed.items()]
 
     def _host_arg(self, v: Any, field: str) -> int:
         names = ", ".join(h.name for h in self.cluster.hosts)
@@ -338,18 +378,16 @@ class Agent:
             samples = list(self.node.propagation_s)
             st["propagation_samples"] = samples[-int(req.get("samples", 0)):] if req.get("samples") else []
             st["propagation_count"] = len(samples)
+            st["paths"] = {"refreshes": self.refreshes, "detected": self.detected, "repathed": self.repathed,
+                           "check_probes": self.check_probes, "refresh_probes": self.refresh_probes,
+                           "last_refresh": self.last_refresh}
             return {"ok": True, "status": st}
         if op == "ports":
             peer = self._host_arg(req.get("peer"), "peer")
             dport = req.get("dport", self.cluster.dport)
             return {"ok": True, "ports": self.maps(self.me.index, peer, dport).static_ports()}
-        if op == "reload":
-            # New path-map files (re-probed after a fabric change): use them from now on.
-            self.maps.clear()
-            repathed, outs = self.node.reload_pathmaps(now)
-            self._emit(outs)
-            log.info(**_ev("reload", host=self.me.name, repathed=[list(f) for f in repathed]))
-            return {"ok": True, "repathed": [{"old": list(f), "lease": _lease_dict(ls)} for f, ls in repathed.items()]}
+        if op == "reload":  # new path-map files (re-probed after a fabric change)
+            return {"ok": True, "repathed": self._reload(now)}
         if op == "refresh":
             # Re-probe (the fabric changed), then reload: the reply comes when done.
             peers = req.get("peers")

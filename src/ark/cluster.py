@@ -17,6 +17,7 @@ Example::
     #                              # probe (ark probe, API op "refresh") into pathmap_dir
     # probe_proto = "udp"          # probe with your flows' protocol (RoCEv2: udp)
     # probe_sample = 128           # probed source ports per peer (0: the whole port_range)
+    # probe_check_s = 1.0          # re-probe a few ports this often; on a re-hash, re-probe and re-path
 
     [fabric]                       # the same keys as an experiment config's [fabric]
     preset = "paper"
@@ -82,6 +83,7 @@ class Cluster:
     routers_file: str | None = None  # JSON: router address -> path index, for probing
     probe_proto: str = "udp"
     probe_sample: int = 128
+    probe_check_s: float = 0.0  # > 0: re-probe a few ports this often; refresh on a change
 
     def host(self, name: str) -> HostEntry:
         for h in self.hosts:
@@ -149,6 +151,7 @@ def _get(d: dict[str, Any], key: str, kind: type, where: str, default: Any = Non
 _CLUSTER_KEYS = (
     "policy", "dport", "port_range", "lease_min_s", "lease_slack", "heartbeat_s", "peer_timeout_s",
     "sync_timeout_s", "retention_s", "pathmap_dir", "routers_file", "probe_proto", "probe_sample",
+    "probe_check_s",
 )
 _HOST_KEYS = ("name", "control", "api", "public_key", "secret_key_file", "metrics_port")
 
@@ -198,6 +201,9 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
     sample = _get(c, "probe_sample", int, "cluster", 128)
     if sample < 0:
         raise ClusterError(f"cluster.probe_sample: must be >= 0 (0: the whole port range); got {sample}")
+    check_s = _get(c, "probe_check_s", float, "cluster", 0.0)
+    if check_s < 0 or (check_s > 0 and routers is None):
+        raise ClusterError(f"cluster.probe_check_s: must be >= 0 and needs routers_file; got {check_s}")
     hosts_raw = d.get("hosts")
     if not isinstance(hosts_raw, list) or not hosts_raw:
         raise ClusterError("hosts: needs one or more [[hosts]] tables")
@@ -239,7 +245,7 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
     return Cluster(
         fabric, tuple(hosts), policy, dport, port_range, nums["lease_min_s"], nums["lease_slack"],
         nums["heartbeat_s"], nums["peer_timeout_s"], nums["sync_timeout_s"], nums["retention_s"], pdir,
-        routers, proto, sample,
+        routers, proto, sample, check_s,
     )
 
 

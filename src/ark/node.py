@@ -319,6 +319,8 @@ class Node:
         moved = self.core.reload_pathmaps()
         out: list[Output] = []
         repathed: dict[FlowId, Lease] = {}
+        if not self.ready:  # resynchronising: it reserves nothing now, so it re-paths nothing
+            return repathed, out
         local = self.core.local_flows()
         for f in moved:
             lo = self._local.get(f)

@@ -313,3 +313,35 @@ def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None) -> dict
         pm.save(d / f"{host}__{peer}__{cluster.dport}.json")
         out[peer] = {**stats, "ports_per_path": pm.counts()}
     return out
+
+
+def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0) -> tuple[list[str], int]:
+    """Re-probe a few known ports of every probed map; peers whose map no longer holds.
+
+    Cheap enough to run every second: ``per_path`` ports per path and peer. A re-hash
+    (a link failed or came back) moves a share of the ports to other spines, so some of
+    the sampled ones answer from another spine than the map says. Returns (peers whose
+    map changed, probes sent).
+    """
+    import random
+    from pathlib import Path
+
+    if cluster.routers_file is None or cluster.pathmap_dir is None:
+        raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
+    routers = load_routers(cluster.routers_file)
+    fab = cluster.fabric
+    me = cluster.host(host).index
+    rng = random.Random(seed)
+    changed, sent = [], 0
+    for h in cluster.hosts:
+        f = Path(cluster.pathmap_dir) / f"{host}__{h.name}__{cluster.dport}.json"
+        if h.name == host or not f.exists():
+            continue
+        pm = PathMap.load(f)
+        ports = [p for b in pm.buckets for p in rng.sample(b.tolist(), min(per_path, len(b)))]
+        res = probe_ports(fab.hosts[h.index].ip, cluster.dport, ports, proto=cluster.probe_proto,
+                          src_ip=fab.hosts[me].ip, retries=0)
+        sent += res.sent
+        if any(routers.get(off, -1) != pm.path_of(port) for port, off in res.offenders.items()):
+            changed.append(h.name)
+    return changed, sent

@@ -35,6 +35,8 @@ from ark.pathmap import PathMap
 from ark.testbed import KernelRoutes, State, TestbedError, counting, set_link, spawn_in_host
 
 TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance")
+PROBE_CHECK_S = 0.5  # agents re-probe a few ports this often and refresh on a re-hash
+DETECT_TIMEOUT_S = 10.0
 Progress = Callable[[str], None]
 
 
@@ -108,7 +110,8 @@ def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) 
         "[cluster]", f'policy = "{policy}"', f"dport = {spec.dport}",
         f'port_range = "{spec.port_range[0]}-{spec.port_range[1]}"', f"lease_min_s = {lease_min_s}",
         "heartbeat_s = 0.5", "peer_timeout_s = 2.0", "sync_timeout_s = 1.0", 'pathmap_dir = "maps"',
-        'routers_file = "routers.json"', 'probe_proto = "tcp"', f"probe_sample = {sample}", "",
+        'routers_file = "routers.json"', 'probe_proto = "tcp"', f"probe_sample = {sample}",
+        f"probe_check_s = {PROBE_CHECK_S}", "",
         "[fabric]", f"leaves = {spec.leaves}", f"spines = {spec.spines}", f"gpus_per_leaf = {spec.gpus_per_leaf}",
         f"link_gbps = {spec.link_gbps * spec.scale!r}", f"nic_gbps = {spec.nic_gbps * spec.scale!r}",
         'transport = "tcp-1500"', "",
@@ -301,28 +304,38 @@ def _change(st: State, params: RunParams, pairs: dict[int, set[int]], cluster: P
     set_link(st, leaf, spine, False)
     change["failed_at_s"] = time.time() - t0  # link down and routes converged
     if apis:
-        answers: dict[int, dict[str, Any]] = {}
-
-        def one(src: int) -> None:
+        # The agents notice the re-hash themselves (probe_check_s); an agent that has not
+        # refreshed within DETECT_TIMEOUT_S is told to (API op refresh).
+        detected: dict[int, float] = {}
+        deadline = time.time() + DETECT_TIMEOUT_S
+        while len(detected) < len(pairs) and time.time() < deadline:
+            for src in pairs:
+                if src not in detected:
+                    with ArkClient(apis[src]) as c:
+                        paths = c.status()["paths"]
+                    if paths["last_refresh"] is not None and paths["last_refresh"] > t0 + change["failing_at_s"]:
+                        detected[src] = paths["last_refresh"] - t0
+            time.sleep(0.05)
+        told = [src for src in pairs if src not in detected]
+        for src in told:
             with ArkClient(apis[src]) as c:
-                answers[src] = c.refresh([f"gpu{d}" for d in sorted(pairs[src])])
-
-        workers = [threading.Thread(target=one, args=(src,)) for src in pairs]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        if len(answers) != len(pairs):
-            raise TestbedError("refresh: some agents did not answer")
-        probed = [v for a in answers.values() for v in a["probed"].values()]
-        moved = sum(len(a["repathed"]) for a in answers.values())
+                c.refresh([f"gpu{d}" for d in sorted(pairs[src])])
+        paths = []
+        for src in pairs:
+            with ArkClient(apis[src]) as c:
+                paths.append(c.status()["paths"])
+        moved = sum(p["repathed"] for p in paths)
         agree, total = check_maps(st, pairs)
-        info = {"probes_sent": sum(v["probes_sent"] for v in probed),
+        info = {"probes_sent": sum(p["refresh_probes"] for p in paths),
                 "probe_agreement_fraction": agree / total if total else math.nan}
+        change["check_probes"] = sum(p["check_probes"] for p in paths)  # periodic checks, whole run so far
+        change["detected_at_s"] = {f"gpu{k}": round(v, 3) for k, v in sorted(detected.items())}
+        change["told_to_refresh"] = [f"gpu{k}" for k in told]
+        change["refreshed_at_s"] = max(detected.values()) if not told else time.time() - t0
     else:
         info = probe(st, pairs, params.sample, cluster)
         moved = 0
-    change["refreshed_at_s"] = time.time() - t0
+        change["refreshed_at_s"] = time.time() - t0
     change["probes_sent"] = info["probes_sent"]
     change["probe_agreement_fraction"] = info["probe_agreement_fraction"]
     change["repathed_live_flows"] = moved

@@ -207,9 +207,12 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
         if ch and "error" in ch:
             err.print(f"{r['scheme']} seed {r['seed']}: the fabric change failed: {ch['error']}", highlight=False)
         elif ch:
+            how = (f"{len(ch['detected_at_s'])} agents detected the re-hash themselves"
+                   + (f", {len(ch['told_to_refresh'])} were told" if ch.get("told_to_refresh") else "")
+                   if "detected_at_s" in ch else "hosts re-probed")
             out.print(f"{r['scheme']} seed {r['seed']}: link leaf{ch['link'][0]}-spine{ch['link'][1]} down at "
-                      f"{ch['failed_at_s']:.2f} s, maps refreshed at {ch['refreshed_at_s']:.2f} s "
-                      f"({ch['probes_sent']} probes, agreement {ch['probe_agreement_fraction']:.4%}); "
+                      f"{ch['failed_at_s']:.2f} s, maps refreshed at {ch['refreshed_at_s']:.2f} s ({how}; "
+                      f"{ch['probes_sent']} probes, agreement {ch['probe_agreement_fraction']:.4%}); "
                       f"{ch['repathed_live_flows']} live reservations re-pathed; flows started after the refresh "
                       f"matching their reserved spine: {ch['path_match_after_refresh']:.2%} of {ch['flows_after_refresh']}")
 
