@@ -181,8 +181,11 @@ def test_probes_agree_with_the_kernel_and_protocol_matters(bed):
     kr = KernelRoutes(st, 0)
     try:
         kernel = {p: kr.spine(0, dst, p, 5201, 6) for p in ports}
+        kernel_udp = {p: kr.spine(0, dst, p, 5201, 17) for p in ports}
     finally:
         kr.close()
+    # UDP probes (RoCEv2's protocol) describe UDP routes exactly.
+    assert sum(routers[o] == kernel_udp[p] for p, o in udp.offenders.items()) >= 0.999 * len(udp.offenders)
     assert len(tcp.offenders) >= 0.999 * len(ports)
     agree = sum(routers[o] == kernel[p] for p, o in tcp.offenders.items())
     assert agree / len(tcp.offenders) >= 0.999
