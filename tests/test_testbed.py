@@ -345,3 +345,19 @@ def test_routers_file_errors_are_one_line(tmp_path):
         load_routers(str(tmp_path / "r.json"))
     (tmp_path / "r.json").write_text('{"172.16.0.1": 0}')
     assert load_routers(str(tmp_path / "r.json")) == {"172.16.0.1": 0}
+
+
+def test_spec_from_an_experiment_config(tmp_path):
+    from ark import config as cfgmod
+
+    (tmp_path / "f.toml").write_text("[fabric]\nleaves = 3\nspines = 2\ngpus_per_leaf = 4\nlink_gbps = 400\n")
+    spec = tbm.TestbedSpec.from_fabric_config(cfgmod.load(tmp_path / "f.toml").fabric, prefix="x")
+    assert (spec.leaves, spec.spines, spec.gpus_per_leaf, spec.link_gbps, spec.prefix) == (3, 2, 4, 400.0, "x")
+    assert len(Layout(spec).namespaces()) == 1 + 2 + 3 + 12
+    assert spec.scaled_fabric().link_bps == pytest.approx(4e8)
+
+
+def test_up_without_root_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(tbm.TestbedError, match="^testbed: needs root"):
+        tbm.up(tbm.TestbedSpec(prefix="nr"), str(tmp_path))
