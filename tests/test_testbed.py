@@ -361,3 +361,18 @@ def test_up_without_root_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(tbm.TestbedError, match="^testbed: needs root"):
         tbm.up(tbm.TestbedSpec(prefix="nr"), str(tmp_path))
+
+
+def test_damaged_state_file_is_one_line(tmp_path):
+    d = tmp_path / "ark"
+    d.mkdir()
+    (d / "state.json").write_text('{"spec": {"leaves": 2}}')
+    with pytest.raises(tbm.TestbedError, match="is damaged .*ark testbed down"):
+        State.load(d)
+
+
+def test_learn_with_nothing_to_probe_is_a_clear_error():
+    from ark.probe import learn
+
+    with pytest.raises(ProbeError, match="^port_range: no source port"):
+        learn("10.0.1.1", 5201, {}, src_ip="10.0.0.1", paths=4, port_range=(100, 101), exclude=[100, 101])

@@ -234,7 +234,8 @@ def learn(
         # missing a live one is ((K-1)/K)**n, 1e-16 for K = 4, n = 128.
         if sample <= 0 or all(c == 0 or c >= min_per_path for c in pm.counts()):
             break
-    assert pm is not None
+    if pm is None:
+        raise ProbeError(f"port_range: no source port of {port_range[0]}-{port_range[1]} left to probe")
     stats: dict[str, float | int] = {
         "probes_sent": sum(r.sent for r in results),
         "answered": sum(len(r.offenders) for r in results),

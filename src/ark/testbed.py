@@ -195,10 +195,14 @@ class State:
             raw = json.loads((d / "state.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise TestbedError(f"no testbed at {d} ({e}); run `ark testbed up`") from None
-        spec = raw["spec"]
-        spec["port_range"] = tuple(spec["port_range"])
-        return cls(TestbedSpec(**spec), d, list(raw["namespaces"]), bool(raw["complete"]),
-                   float(raw.get("built_s", 0.0)), [(int(x[0]), int(x[1])) for x in raw.get("down_links", [])])
+        try:
+            spec = raw["spec"]
+            spec["port_range"] = tuple(spec["port_range"])
+            return cls(TestbedSpec(**spec), d, list(raw["namespaces"]), bool(raw["complete"]),
+                       float(raw.get("built_s", 0.0)), [(int(x[0]), int(x[1])) for x in raw.get("down_links", [])])
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise TestbedError(f"state file {d / 'state.json'} is damaged ({type(e).__name__}: {e}); "
+                               f"`ark testbed down` removes the testbed by its names") from None
 
 
 # ---------------------------------------------------------------------------- build

@@ -200,6 +200,10 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
     if not st.complete:
         raise TestbedError("testbed: build incomplete; run `ark testbed down` and `up` again")
     spec, lay = st.spec, st.layout
+    if params.fail_link is not None and not (0 <= params.fail_link[0] < spec.leaves
+                                             and 0 <= params.fail_link[1] < spec.spines):
+        raise TestbedError(f"fail_link: leaf must be 0..{spec.leaves - 1} and spine 0..{spec.spines - 1}; "
+                           f"got {params.fail_link[0]}:{params.fail_link[1]}")
     flows, load = plan_flows(st, params.requests, params.qps, params.seed)
     pairs: dict[int, set[int]] = {}
     for f in flows:
