@@ -41,6 +41,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from ark.cluster import Cluster, ClusterError, HostEntry, read_secret_key
 from ark.messages import ProtocolError
 from ark.node import LeasePolicy, Node, NotReady, Output, Publish
+from ark.probe import load_routers
 from ark.protocol import CoreError
 
 API_MAX_BYTES = 4096
@@ -106,6 +107,8 @@ class Agent:
         self._refresh: threading.Thread | None = None
         self._refreshed: queue.SimpleQueue[tuple[bytes | None, dict[str, Any]]] = queue.SimpleQueue()
         self._next_check = time.time() + cluster.probe_check_s
+        # Read once: the periodic check would otherwise re-read it every probe_check_s.
+        self._routers = load_routers(cluster.routers_file) if cluster.routers_file else None
         self.refreshes = 0  # path maps re-probed and reloaded
         self.detected = 0  # of those, started by the periodic check
         self.check_probes = 0
@@ -272,7 +275,7 @@ class Agent:
         ``check``: first re-probe a few ports per peer and refresh only the peers whose
         map no longer holds (nobody waits for an answer).
         """
-        from ark.probe import check as check_maps
+        from ark.probe import check as probe_check
         from ark.probe import refresh
 
         if self._refresh is not None and self._refresh.is_alive():
@@ -285,11 +288,13 @@ class Agent:
             try:
                 todo = peers
                 if check:
-                    todo, sent = check_maps(self.cluster, self.me.name, seed=int(time.time() * 1000))
+                    todo, sent = probe_check(self.cluster, self.me.name, seed=int(time.time() * 1000),
+                                             routers=self._routers)
                     self.check_probes += sent
                     if not todo:
                         return
-                res = {"ok": True, "probed": refresh(self.cluster, self.me.name, todo), "detected": check}
+                res = {"ok": True, "probed": refresh(self.cluster, self.me.name, todo, self._routers),
+                       "detected": check}
             except Exception as e:  # reported to the caller, never fatal to the agent
                 res = {"ok": False, "error": f"refresh: {e}"}
             self._refreshed.put((rid, res))

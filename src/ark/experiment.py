@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ark.config import ExperimentConfig
+from ark.serving import Placed
 from ark.simulator import FlowSpec, FluidSim, PathMapCache
 from ark.topology import Fabric
 from ark.workload import Request, ZipfWorkload, load_trace
@@ -74,6 +75,22 @@ def workload(cfg: ExperimentConfig, qps: float, seed: int) -> list[Request]:
     return ZipfWorkload(qps, w.requests, w.theta, w.min_tokens, w.max_tokens, w.pd_ratio).generate(rng)
 
 
+def place(cfg: ExperimentConfig, fabric: Fabric, qps: float, seed: int) -> list[Placed]:
+    """The run's requests with their GPUs and KV flows (the simulator and the testbed share it)."""
+    serving = cfg.serving.build(cfg.workload.model)
+    reqs = workload(cfg, qps, seed)
+    place_rng = np.random.default_rng(_seed_words(seed, qps) + [1])
+    return serving.place(reqs, fabric.role_hosts("prefill"), fabric.role_hosts("decode"), place_rng)
+
+
+def offered_load(fabric: Fabric, placed: Sequence[Placed], qps: float) -> float:
+    """Nominal, as ARK.md defines it: bytes offered over the prefill leaves' uplinks."""
+    mean_bytes = float(np.mean([p.kv_bytes for p in placed]))
+    cross = sum(fabric.n_paths(p.prefill_gpu, p.decode_gpu) > 1 for p in placed) / len(placed)
+    leaves_up = len({fabric.hosts[p.prefill_gpu].leaf for p in placed})
+    return qps * mean_bytes * 8 * cross / (fabric.link_bps * fabric.n_spines * max(1, leaves_up))
+
+
 def _pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if len(a) else math.nan
 
@@ -82,9 +99,7 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
     """Simulate one (scheme, QPS, seed) and summarise it as a record."""
     fabric = cfg.fabric.build()
     serving = cfg.serving.build(cfg.workload.model)
-    reqs = workload(cfg, spec.qps, spec.seed)
-    place_rng = np.random.default_rng(_seed_words(spec.seed, spec.qps) + [1])
-    placed = serving.place(reqs, fabric.role_hosts("prefill"), fabric.role_hosts("decode"), place_rng)
+    placed = place(cfg, fabric, spec.qps, spec.seed)
     flows = [FlowSpec(i, p.prefill_gpu, p.decode_gpu, p.kv_bytes, p.kv_start_s) for i, p in enumerate(placed)]
     net = cfg.network
     sim = FluidSim(
@@ -104,17 +119,12 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
     fct = np.asarray(fcts)
     ttft = np.asarray([t.ttft_s for t in timing])
     tpot = np.asarray([t.tpot_s for t in timing])
-    mean_bytes = float(np.mean([p.kv_bytes for p in placed]))
-    cross = [fabric.n_paths(p.prefill_gpu, p.decode_gpu) > 1 for p in placed]
-    leaves_up = len({fabric.hosts[p.prefill_gpu].leaf for p in placed})
-    # Nominal, as ARK.md defines it: bytes offered over the prefill leaves' uplinks.
-    fabric_bps = fabric.link_bps * fabric.n_spines * max(1, leaves_up)
-    load = spec.qps * mean_bytes * 8 * (sum(cross) / len(cross)) / fabric_bps
+    load = offered_load(fabric, placed, spec.qps)
     record = {
         "scheme": spec.scheme,
         "qps": spec.qps,
         "seed": spec.seed,
-        "requests": len(reqs),
+        "requests": len(placed),
         "offered_load": round(load, 6),
         "fct_mean_s": float(fct.mean()),
         "fct_p50_s": _pct(fct, 50),

@@ -291,7 +291,8 @@ def load_routers(path: str) -> dict[str, int]:
         raise ProbeError(f"routers_file: {path} must be a JSON object of address -> path index ({e})") from None
 
 
-def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None,
+            routers: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Probe as the cluster file says and write the maps to its pathmap_dir.
 
     Default peers: those this host already has probed maps for, else every host behind
@@ -301,7 +302,7 @@ def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None) -> dict
 
     if cluster.routers_file is None or cluster.pathmap_dir is None:
         raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
-    routers = load_routers(cluster.routers_file)
+    routers = routers if routers is not None else load_routers(cluster.routers_file)
     d = Path(cluster.pathmap_dir)
     if peers is None:
         known = [h.name for h in cluster.hosts if h.name != host
@@ -316,7 +317,8 @@ def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None) -> dict
     return out
 
 
-def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0) -> tuple[list[str], int]:
+def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0,
+          routers: Mapping[str, int] | None = None) -> tuple[list[str], int]:
     """Re-probe a few known ports of every probed map; peers whose map no longer holds.
 
     Cheap enough to run every second: ``per_path`` ports per path and peer. A re-hash
@@ -329,7 +331,7 @@ def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0) -> tuple[li
 
     if cluster.routers_file is None or cluster.pathmap_dir is None:
         raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
-    routers = load_routers(cluster.routers_file)
+    routers = routers if routers is not None else load_routers(cluster.routers_file)
     fab = cluster.fabric
     me = cluster.host(host).index
     rng = random.Random(seed)

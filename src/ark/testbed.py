@@ -23,6 +23,7 @@ measure the difference.
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import json
 import math
@@ -31,6 +32,7 @@ import random
 import signal
 import socket
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -129,8 +131,13 @@ class Layout:
                 + [self.leaf_ns(a) for a in range(s.leaves)]
                 + [self.host_ns(i) for i in range(s.leaves * s.gpus_per_leaf)])
 
+    @functools.cached_property
+    def _host_ips(self) -> tuple[str, ...]:
+        # Building the fabric costs ~1 ms; host_ip sits in per-port loops.
+        return tuple(h.ip for h in self.spec.fabric().hosts)
+
     def host_ip(self, i: int) -> str:
-        return self.spec.fabric().hosts[i].ip
+        return self._host_ips[i]
 
     def leaf_of(self, i: int) -> int:
         return i // self.spec.gpus_per_leaf
@@ -177,7 +184,7 @@ class State:
     def file(self) -> Path:
         return self.dir / "state.json"
 
-    @property
+    @functools.cached_property
     def layout(self) -> Layout:
         return Layout(self.spec)
 
@@ -613,7 +620,6 @@ def counting(st: State) -> Iterator[SpineCounters]:
 
     The yielded counters are filled when the block ends.
     """
-    import subprocess
     import sys
 
     out = st.dir / "capture.json"
@@ -661,8 +667,8 @@ def _capture_main(argv: Sequence[str]) -> int:
 
 
 def spawn_in_host(st: State, i: int, argv: Sequence[str], log: Path) -> Any:
-    fh = open(log, "ab")  # noqa: SIM115 - owned by the process
-    return netns.spawn(st.layout.host_ns(i), argv, stdout=fh, stderr=fh, stdin=open(os.devnull, "rb"))
+    with open(log, "ab") as fh:  # the child keeps its own copy of the descriptor
+        return netns.spawn(st.layout.host_ns(i), argv, stdout=fh, stderr=fh, stdin=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":

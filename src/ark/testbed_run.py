@@ -72,16 +72,12 @@ class RunParams:
 def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[dict[str, Any]], float]:
     """KV flows of the simulator's workload, scaled; and the nominal offered load."""
     from ark.config import default
-    from ark.experiment import _seed_words, workload
+    from ark.experiment import offered_load, place
 
-    base = default()
-    cfg = base.with_overrides(requests=requests)
+    cfg = default().with_overrides(requests=requests)
     spec = st.spec
     fab = spec.fabric()
-    serving = cfg.serving.build(cfg.workload.model)
-    reqs = workload(cfg, qps, seed)
-    rng = np.random.default_rng([*_seed_words(seed, qps), 1])
-    placed = serving.place(reqs, fab.role_hosts("prefill"), fab.role_hosts("decode"), rng)
+    placed = place(cfg, fab, qps, seed)
     t_first = min(p.kv_start_s for p in placed)
     flows = []
     for i, p in enumerate(placed):
@@ -91,10 +87,7 @@ def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[di
             "dport": spec.dport, "bytes": max(1, round(p.kv_bytes * spec.scale)),
             "start_s": round(p.kv_start_s - t_first, 6),
         })
-    mean_bytes = float(np.mean([p.kv_bytes for p in placed]))
-    leaves_up = len({fab.hosts[p.prefill_gpu].leaf for p in placed})
-    load = qps * mean_bytes * 8 / (fab.link_bps * fab.n_spines * max(1, leaves_up))
-    return flows, load
+    return flows, offered_load(fab, placed, qps)
 
 
 def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) -> Path:
@@ -303,48 +296,65 @@ def _change(st: State, params: RunParams, pairs: dict[int, set[int]], cluster: P
 
     assert params.fail_link is not None
     leaf, spine, at = params.fail_link
-    time.sleep(max(0.0, t0 + at - time.time()))
-    change["failing_at_s"] = time.time() - t0
-    set_link(st, leaf, spine, False)
-    change["failed_at_s"] = time.time() - t0  # link down and routes converged
-    if apis:
-        # The agents notice the re-hash themselves (probe_check_s); an agent that has not
-        # refreshed within DETECT_TIMEOUT_S is told to (API op refresh).
-        detected: dict[int, float] = {}
-        deadline = time.time() + DETECT_TIMEOUT_S
-        while len(detected) < len(pairs) and time.time() < deadline:
-            for src in pairs:
-                if src not in detected:
-                    with ArkClient(apis[src]) as c:
-                        paths = c.status()["paths"]
-                    if paths["last_refresh"] is not None and paths["last_refresh"] > t0 + change["failing_at_s"]:
-                        detected[src] = paths["last_refresh"] - t0
-            time.sleep(0.05)
-        told = [src for src in pairs if src not in detected]
-        for src in told:
-            with ArkClient(apis[src]) as c:
-                c.refresh([f"gpu{d}" for d in sorted(pairs[src])])
-        paths = []
-        for src in pairs:
-            with ArkClient(apis[src]) as c:
-                paths.append(c.status()["paths"])
-        moved = sum(p["repathed"] for p in paths)
-        agree, total = check_maps(st, pairs)
-        info = {"probes_sent": sum(p["refresh_probes"] for p in paths),
-                "probe_agreement_fraction": agree / total if total else math.nan}
-        change["check_probes"] = sum(p["check_probes"] for p in paths)  # periodic checks, whole run so far
-        change["detected_at_s"] = {f"gpu{k}": round(v, 3) for k, v in sorted(detected.items())}
-        change["told_to_refresh"] = [f"gpu{k}" for k in told]
-        change["refreshed_at_s"] = max(detected.values()) if not told else time.time() - t0
-    else:
-        info = probe(st, pairs, params.sample, cluster)
-        moved = 0
-        change["refreshed_at_s"] = time.time() - t0
-    change["probes_sent"] = info["probes_sent"]
-    change["probe_agreement_fraction"] = info["probe_agreement_fraction"]
-    change["repathed_live_flows"] = moved
+    clients = {src: ArkClient(apis[src]) for src in pairs if src in apis}
+    try:
+        time.sleep(max(0.0, t0 + at - time.time()))
+        # Agents' counters are cumulative (a refresh may have run at start-up): report the change's share.
+        before = {src: c.status()["paths"] for src, c in clients.items()}
+        change["failing_at_s"] = time.time() - t0
+        set_link(st, leaf, spine, False)
+        change["failed_at_s"] = time.time() - t0  # link down and routes converged
+        if clients:
+            _await_agents(st, pairs, clients, before, t0, change)
+        else:  # ECMP: no agents, the hosts re-probe
+            info = probe(st, pairs, params.sample, cluster)
+            change.update(refreshed_at_s=time.time() - t0, probes_sent=info["probes_sent"],
+                          probe_agreement_fraction=info["probe_agreement_fraction"], repathed_live_flows=0)
+    finally:
+        for c in clients.values():
+            c.close()
     progress(f"link leaf{leaf}-spine{spine} down at {change['failed_at_s']:.2f} s; maps refreshed at "
-             f"{change['refreshed_at_s']:.2f} s; {moved} live reservations re-pathed")
+             f"{change['refreshed_at_s']:.2f} s; {change['repathed_live_flows']} live reservations re-pathed")
+
+
+def _await_agents(st: State, pairs: dict[int, set[int]], clients: dict[int, Any], before: dict[int, Any],
+                  t0: float, change: dict[str, Any]) -> None:
+    """Wait until every source agent refreshed by itself and the maps agree with the kernel.
+
+    Agents notice the re-hash by their periodic checks (probe_check_s). A refresh whose
+    probes straddled the change leaves stale ports, which the next check repairs, so
+    "refreshed" means the maps agree again. An agent that has not refreshed within
+    DETECT_TIMEOUT_S is told to (API op refresh).
+    """
+    detected: dict[int, float] = {}
+    deadline = time.time() + DETECT_TIMEOUT_S
+    agree, total = 0, 1
+    while time.time() < deadline:
+        for src, c in clients.items():
+            last = c.status()["paths"]["last_refresh"] if src not in detected else None
+            if last is not None and last > t0 + change["failing_at_s"]:
+                detected[src] = last - t0
+        if len(detected) == len(clients):
+            agree, total = check_maps(st, pairs)
+            if agree == total:
+                break
+        time.sleep(0.05)
+    told = [src for src in clients if src not in detected]
+    for src in told:
+        clients[src].refresh([f"gpu{d}" for d in sorted(pairs[src])])
+    if told or agree != total:
+        agree, total = check_maps(st, pairs)
+    after = {src: c.status()["paths"] for src, c in clients.items()}
+
+    def delta(key: str) -> int:
+        return sum(after[s][key] - before[s][key] for s in clients)
+
+    change.update(
+        refreshed_at_s=time.time() - t0, probes_sent=delta("refresh_probes"), check_probes=delta("check_probes"),
+        probe_agreement_fraction=agree / total if total else math.nan, repathed_live_flows=delta("repathed"),
+        detected_at_s={f"gpu{k}": round(v, 3) for k, v in sorted(detected.items())},
+        told_to_refresh=[f"gpu{k}" for k in told],
+    )
 
 
 def _maps_present(st: State, pairs: dict[int, set[int]]) -> bool:

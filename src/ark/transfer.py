@@ -119,6 +119,29 @@ def _segment(src_ip: str, sport: int, f: dict[str, Any], nbytes: int, moved: Cal
         s.close()
 
 
+def _segments(src_ip: str, f: dict[str, Any], t0: float, port: int, path: int | None, reserved: bool,
+              current: Callable[[], tuple[int, int, bool]] | None) -> list[dict[str, Any]]:
+    """Send the flow's bytes, on a new connection each time ``current()`` names a new port."""
+    left, segs = f["bytes"], []
+    while left > 0:
+        latest = (port, path, reserved)
+
+        def moved(now_port: int = port) -> bool:
+            nonlocal latest
+            if current is None:
+                return False
+            latest = current()
+            return latest[0] != now_port
+
+        t = time.time()
+        used, sent = _segment(src_ip, port, f, left, moved)
+        segs.append({"sport": used, "path": path, "reserved": reserved, "start_s": t - t0, "t0": t,
+                     "bytes": sent, "t1": time.time()})
+        left -= sent
+        port, path, reserved = latest
+    return segs
+
+
 def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[dict[str, Any]]) -> None:
     from ark.client import ArkClient, ArkClientError
 
@@ -131,34 +154,20 @@ def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[
                            "lease_flow": None, "segments": [], "error": None}
     client = ArkClient(api, timeout_s=5.0) if api else None
     try:
-        left = f["bytes"]
-        if client is None:
-            t = time.time()
-            port, sent = _segment(src_ip, 0, f, left, lambda: False)
-            rec.update(sport=port, segments=[{"sport": port, "bytes": sent, "start_s": t - t0, "t0": t,
-                                              "t1": time.time()}])
+        if client is None:  # ECMP: an ephemeral port, never moved
+            segs = _segments(src_ip, f, t0, 0, None, False, None)
         else:
             t = time.time()
             with client.lease(f["dst"], f["bytes"], f["dport"]) as ls:
                 rec.update(reserve_s=time.time() - t, path=ls.path, reserved=ls.reserved,
-                           lease_flow=list(ls.flow_id), sport=ls.src_port)
-                cur = ls
-                while left > 0:
-                    seg: dict[str, Any] = {"sport": cur.src_port, "path": cur.path, "reserved": cur.reserved,
-                                           "start_s": time.time() - t0}
-                    holder = [cur]
+                           lease_flow=list(ls.flow_id))
 
-                    def moved(holder: list[Any] = holder, port: int = cur.src_port) -> bool:
-                        holder[0] = client.current(ls.flow_id)
-                        return bool(holder[0].src_port != port)
+                def current() -> tuple[int, int, bool]:
+                    c = client.current(ls.flow_id)
+                    return c.src_port, c.path, c.reserved
 
-                    seg["t0"] = time.time()
-                    _port, sent = _segment(src_ip, cur.src_port, f, left, moved)
-                    seg.update(bytes=sent, t1=time.time())
-                    rec["segments"].append(seg)
-                    left -= sent
-                    cur = holder[0]
-        rec["fct_s"] = time.time() - planned
+                segs = _segments(src_ip, f, t0, ls.src_port, ls.path, ls.reserved, current)
+        rec.update(segments=segs, sport=segs[0]["sport"] if segs else None, fct_s=time.time() - planned)
     except (OSError, ArkClientError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
     finally:

@@ -151,12 +151,11 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 
     st = _state(prefix, state_dir)
     fab = st.spec.fabric()
-    pairs = {s: set(fab.role_hosts("decode")) for s in fab.role_hosts("prefill")}
-    pairs = {s: {d for d in ds if fab.n_paths(s, d) > 1} for s, ds in pairs.items()}
+    pairs = {s: {d for d in fab.role_hosts("decode") if fab.n_paths(s, d) > 1} for s in fab.role_hosts("prefill")}
     res = tr.probe(st, {s: ds for s, ds in pairs.items() if ds}, sample)
     res.pop("per_host")
     if as_json:
-        click.echo(json.dumps({k: _finite(v) for k, v in res.items()}))
+        click.echo(json.dumps(_clean(res)))
     else:
         out.print(f"{res['probes_sent']} probes, {res['probe_wall_s']} s wall ({res['probe_host_s']} s summed over hosts); "
                   f"{res['probed_ports']} mapped ports agree with the kernel: {res['probe_agreement_fraction']:.4%}")
