@@ -12,6 +12,6 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 
 @pytest.fixture(scope="session")
 def paper_fabric():
-    from ark.topology import preset
+    from ark.core.topology import preset
 
     return preset("paper")

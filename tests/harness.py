@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from ark.messages import FlowId, Message, decode, encode
-from ark.protocol import ArkCore
-from ark.simulator import PathMapCache
-from ark.topology import Fabric
+from ark.core.messages import FlowId, Message, decode, encode
+from ark.core.protocol import ArkCore
+from ark.core.topology import Fabric
+from ark.sim.engine import PathMapCache
 
 
 @dataclass

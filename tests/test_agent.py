@@ -11,11 +11,11 @@ import pytest
 import zmq
 import zmq.auth
 
-from ark import cluster as clmod
-from ark.client import ArkClient, ArkClientError
-from ark.loopback import AgentProcs, run_cluster, write_cluster
-from ark.messages import Release, Reserve, encode
-from ark.node import K_DATA, K_HELLO, encode_envelope
+from ark.agent import cluster as clmod
+from ark.agent.client import ArkClient, ArkClientError
+from ark.agent.loopback import AgentProcs, run_cluster, write_cluster
+from ark.core.messages import Release, Reserve, encode
+from ark.core.node import K_DATA, K_HELLO, encode_envelope
 
 
 @pytest.fixture()

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ark import config
-from ark.config import ConfigError
-from ark.experiment import RECORD_KEYS, run_sweep, summarize, write_results
+from ark.sim import config as config
+from ark.sim.config import ConfigError
+from ark.sim.experiment import RECORD_KEYS, run_sweep, summarize, write_results
 
 
 def small() -> config.ExperimentConfig:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from crc import Calculator, Configuration
 
-from ark.hashing import HASH_MODELS, HashError, get_model, select, select_many
+from ark.core.hashing import HASH_MODELS, HashError, get_model, select, select_many
 
 RNG = random.Random(1234)
 KEYS = [

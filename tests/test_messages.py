@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ark.messages import MAX_MESSAGE_BYTES, ProtocolError, Release, Renew, Reserve, decode, encode
+from ark.core.messages import MAX_MESSAGE_BYTES, ProtocolError, Release, Renew, Reserve, decode, encode
 
 RES = Reserve((3, 17), 12.5, 3, 9, 4791, 2, 50123, 1_700_000_000, 98e9, False, 14.0)
 REL = Release((3, 17), 13.25)

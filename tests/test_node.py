@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ark.messages import Reserve, encode
-from ark.node import (
+from ark.core.messages import Reserve, encode
+from ark.core.node import (
     K_DATA,
     K_HELLO,
     K_SYNC_REP,
@@ -16,9 +16,9 @@ from ark.node import (
     decode_envelope,
     encode_envelope,
 )
-from ark.protocol import CoreError
-from ark.simulator import PathMapCache
-from ark.topology import preset
+from ark.core.protocol import CoreError
+from ark.core.topology import preset
+from ark.sim.engine import PathMapCache
 
 FAB = preset("paper")
 MAPS = PathMapCache(FAB)
@@ -199,7 +199,7 @@ def test_reload_pathmaps_repaths_moved_reservations_everywhere():
     """After a re-hash, a reserved flow whose port leads elsewhere gets a new reservation."""
     import numpy as np
 
-    from ark.pathmap import PROBED, PathMap
+    from ark.core.pathmap import PROBED, PathMap
 
     def probed(buckets):
         return PathMap(PROBED, 0, PROBED, FAB.hosts[0].ip, FAB.hosts[8].ip, 4791, (100, 199),

@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ark.hashing import HASH_MODELS
-from ark.pathmap import (
+from ark.core.hashing import HASH_MODELS
+from ark.core.pathmap import (
     PathMap,
     PathMapError,
     PortBuckets,
@@ -13,8 +13,8 @@ from ark.pathmap import (
     parse_port_range,
     switch_path,
 )
-from ark.roce import flow_label_for_sport, udp_sport_from_flow_label
-from ark.topology import TopologyError, preset, spine_leaf
+from ark.core.roce import flow_label_for_sport, udp_sport_from_flow_label
+from ark.core.topology import TopologyError, preset, spine_leaf
 
 
 @pytest.mark.parametrize("name", list(HASH_MODELS))

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ark.messages import Release, Reserve
-from ark.protocol import ArkCore, CoreError
-from ark.simulator import PathMapCache
-from ark.topology import preset, spine_leaf
+from ark.core.messages import Release, Reserve
+from ark.core.protocol import ArkCore, CoreError
+from ark.core.topology import preset, spine_leaf
+from ark.sim.engine import PathMapCache
 
 from .harness import Cluster
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ark import config
-from ark.experiment import run_sweep, summarize
+from ark.sim import config as config
+from ark.sim.experiment import run_sweep, summarize
 
 
 @pytest.fixture(scope="module")

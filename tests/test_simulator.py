@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from ark.simulator import FlowSpec, FluidSim, SimError, maxmin_rates
-from ark.topology import preset, spine_leaf
+from ark.core.topology import preset, spine_leaf
+from ark.sim.engine import FlowSpec, FluidSim, SimError, maxmin_rates
 
 
 def test_maxmin_hand_cases() -> None:

@@ -9,13 +9,13 @@ import socket
 import numpy as np
 import pytest
 
-from ark import netns
-from ark import testbed as tbm
-from ark.pathmap import PROBED, PathMap, PathMapError, PortBuckets
-from ark.probe import ProbeError, ProbeResult, pathmap_from_probes, probe_ports, sample_ports
-from ark.protocol import ArkCore
-from ark.testbed import Layout, State
-from ark.topology import spine_leaf
+from ark.agent.probe import ProbeError, ProbeResult, pathmap_from_probes, probe_ports, sample_ports
+from ark.core.pathmap import PROBED, PathMap, PathMapError, PortBuckets
+from ark.core.protocol import ArkCore
+from ark.core.topology import spine_leaf
+from ark.testbed import fabric as tbm
+from ark.testbed import netns as netns
+from ark.testbed.fabric import Layout, State
 
 SMALL = dict(leaves=2, spines=4, gpus_per_leaf=2, prefix="arkt")
 
@@ -128,7 +128,7 @@ needs_ns = pytest.mark.skipif(netns.available() is not None, reason=f"testbed: {
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory):
-    from ark import testbed as tb
+    from ark.testbed import fabric as tb
 
     base = str(tmp_path_factory.mktemp("tb"))
     tb.down("arkt", base)  # a crashed earlier run
@@ -140,7 +140,7 @@ def bed(tmp_path_factory):
 @root
 @needs_ns
 def test_up_builds_what_the_layout_says(bed):
-    from ark.testbed import rtnl
+    from ark.testbed.fabric import rtnl
 
     st, _ = bed
     lay = st.layout
@@ -168,7 +168,7 @@ def test_up_builds_what_the_layout_says(bed):
 @root
 @needs_ns
 def test_probes_agree_with_the_kernel_and_protocol_matters(bed):
-    from ark.testbed import KernelRoutes
+    from ark.testbed.fabric import KernelRoutes
 
     st, _ = bed
     lay = st.layout
@@ -198,7 +198,7 @@ def test_probes_agree_with_the_kernel_and_protocol_matters(bed):
 @root
 @needs_ns
 def test_policy_1_follows_the_socket_hash_not_the_5tuple(bed):
-    from ark.testbed import KernelRoutes
+    from ark.testbed.fabric import KernelRoutes
 
     st, _ = bed
     lay = st.layout
@@ -221,10 +221,10 @@ def test_policy_1_follows_the_socket_hash_not_the_5tuple(bed):
 @root
 @needs_ns
 def test_link_down_rehashes_and_reprobing_follows(bed):
-    from ark import cluster as clmod
-    from ark import testbed as tb
-    from ark import testbed_run as tr
-    from ark.probe import check
+    from ark.agent import cluster as clmod
+    from ark.agent.probe import check
+    from ark.testbed import fabric as tb
+    from ark.testbed import run as tr
 
     st, _ = bed
     pairs = {0: {2, 3}, 1: {2, 3}}
@@ -253,7 +253,7 @@ def test_link_down_rehashes_and_reprobing_follows(bed):
 @root
 @needs_ns
 def test_small_run_ark_flows_cross_their_reserved_spines(bed):
-    from ark import testbed_run as tr
+    from ark.testbed import run as tr
 
     st, _ = bed
     ark = tr.run(st, tr.RunParams(scheme="ark", requests=16, qps=8.0, seed=1, sample=64))
@@ -297,7 +297,7 @@ def test_cli_run_json_keys_and_fabric_change(bed, capsys):
 def test_down_removes_everything_even_after_a_crash(tmp_path):
     from pyroute2 import netns as pnetns
 
-    from ark import testbed as tb
+    from ark.testbed import fabric as tb
 
     base = str(tmp_path)
     # A crash before the state file listed anything: names with the prefix are still found.
@@ -324,7 +324,7 @@ def test_down_removes_everything_even_after_a_crash(tmp_path):
 
 
 def test_cluster_probe_keys_are_checked(tmp_path):
-    from ark.cluster import ClusterError, from_dict
+    from ark.agent.cluster import ClusterError, from_dict
 
     base = {"fabric": {"preset": "paper"},
             "hosts": [{"name": "gpu0", "control": "tcp://10.9.0.1:7100", "api": "ipc:///tmp/a.sock",
@@ -338,7 +338,7 @@ def test_cluster_probe_keys_are_checked(tmp_path):
 
 
 def test_routers_file_errors_are_one_line(tmp_path):
-    from ark.probe import load_routers
+    from ark.agent.probe import load_routers
 
     (tmp_path / "r.json").write_text("[1, 2]")
     with pytest.raises(ProbeError, match="^routers_file: .* must be a JSON object"):
@@ -348,7 +348,7 @@ def test_routers_file_errors_are_one_line(tmp_path):
 
 
 def test_spec_from_an_experiment_config(tmp_path):
-    from ark import config as cfgmod
+    from ark.sim import config as cfgmod
 
     (tmp_path / "f.toml").write_text("[fabric]\nleaves = 3\nspines = 2\ngpus_per_leaf = 4\nlink_gbps = 400\n")
     spec = tbm.TestbedSpec.from_fabric_config(cfgmod.load(tmp_path / "f.toml").fabric, prefix="x")
@@ -372,7 +372,7 @@ def test_damaged_state_file_is_one_line(tmp_path):
 
 
 def test_learn_with_nothing_to_probe_is_a_clear_error():
-    from ark.probe import learn
+    from ark.agent.probe import learn
 
     with pytest.raises(ProbeError, match="^port_range: no source port"):
         learn("10.0.1.1", 5201, {}, src_ip="10.0.0.1", paths=4, port_range=(100, 101), exclude=[100, 101])

@@ -3,8 +3,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ark.serving import AffineLatency, Serving, latency_model
-from ark.workload import MODELS, VidurZipf, WorkloadError, ZipfWorkload, get_model, load_trace, split_tokens
+from ark.sim.serving import AffineLatency, Serving, latency_model
+from ark.sim.workload import (
+    MODELS,
+    VidurZipf,
+    WorkloadError,
+    ZipfWorkload,
+    get_model,
+    load_trace,
+    split_tokens,
+)
 
 
 def test_kv_bytes_per_token() -> None:
@@ -78,7 +86,7 @@ def test_latency_presets() -> None:
 
 
 def test_serving_paper_and_queued_modes() -> None:
-    from ark.workload import Request
+    from ark.sim.workload import Request
 
     lat = AffineLatency(0.1, 0.0, 0.01)
     reqs = [Request(0, 0.0, 100, 50), Request(1, 0.05, 100, 50)]

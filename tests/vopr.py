@@ -1,4 +1,4 @@
-"""A deterministic fault harness (VOPR-style) over ``ark.node.Node``.
+"""A deterministic fault harness (VOPR-style) over ``ark.core.node.Node``.
 
 One seed fixes everything: the fault mix (loss, duplication, delay and reordering,
 partitions, crashes and restarts, clock skew) and the workload. Invariants are checked
@@ -23,10 +23,10 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from ark.messages import FlowId
-from ark.node import K_HELLO, LeasePolicy, Node, NotReady, Output, Publish, decode_envelope
-from ark.simulator import PathMapCache
-from ark.topology import spine_leaf
+from ark.core.messages import FlowId
+from ark.core.node import K_HELLO, LeasePolicy, Node, NotReady, Output, Publish, decode_envelope
+from ark.core.topology import spine_leaf
+from ark.sim.engine import PathMapCache
 
 FABRIC = spine_leaf(leaves=3, spines=3, gpus_per_leaf=2, hash="crc32")
 MAPS = PathMapCache(FABRIC)

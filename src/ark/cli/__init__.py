@@ -14,18 +14,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ark import config as cfgmod
-from ark.client import ArkClientError
-from ark.cluster import ClusterError
-from ark.config import ConfigError, ExperimentConfig
-from ark.hashing import HASH_MODELS, HashError
-from ark.pathmap import PathMapError, compute_buckets, parse_port_range
-from ark.probe import ProbeError
-from ark.protocol import CoreError
-from ark.simulator import SCHEMES, SimError
-from ark.testbed import TestbedError
-from ark.topology import HASH_SELECTIONS, TopologyError
-from ark.workload import WorkloadError
+from ark.agent.client import ArkClientError
+from ark.agent.cluster import ClusterError
+from ark.agent.probe import ProbeError
+from ark.core.hashing import HASH_MODELS, HashError
+from ark.core.pathmap import PathMapError, compute_buckets, parse_port_range
+from ark.core.protocol import CoreError
+from ark.core.topology import HASH_SELECTIONS, TopologyError
+from ark.sim import config as cfgmod
+from ark.sim.config import ConfigError, ExperimentConfig
+from ark.sim.engine import SCHEMES, SimError
+from ark.sim.workload import WorkloadError
+from ark.testbed.fabric import TestbedError
 
 USER_ERRORS = (
     ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError, ClusterError,
@@ -111,7 +111,7 @@ def _summary_table(rows: Sequence[dict[str, Any]]) -> Table:
 
 
 def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool) -> None:
-    from ark.experiment import plan, run_sweep, summarize, write_results
+    from ark.sim.experiment import plan, run_sweep, summarize, write_results
 
     n = len(plan(cfg))
     with Progress(
@@ -241,7 +241,7 @@ def bench() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def bench_controller(hash_name: str, as_json: bool) -> None:
     """Precompute, hashing, path selection and reserve-decision costs vs the paper."""
-    from ark.bench import controller
+    from ark.sim.bench import controller
 
     res = controller(hash_name)
     if as_json:
@@ -270,7 +270,7 @@ def bench_controller(hash_name: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jobs: int | None, as_json: bool) -> None:
     """Wall time and simulator events/s of the default `ark reproduce` sweep (no files)."""
-    from ark.bench import reproduce as bench_rep
+    from ark.sim.bench import reproduce as bench_rep
 
     cfg = cfgmod.default().with_overrides(qps=_qps_list(qps), requests=requests, seeds=_seeds(seeds))
     res = bench_rep(cfg, jobs or _jobs_default())
@@ -288,7 +288,7 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
 # agents
 # ---------------------------------------------------------------------------------------
 def _cluster(path: str) -> Any:
-    from ark import cluster as clmod
+    from ark.agent import cluster as clmod
 
     return clmod.load(path)
 
@@ -300,7 +300,7 @@ def _cluster(path: str) -> Any:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def agent(cluster_path: str, host: str, secret_key: str | None, log_level: str) -> None:
     """Run this host's ARK agent (JSON logs on stderr)."""
-    from ark.agent import run_agent
+    from ark.agent.daemon import run_agent
 
     run_agent(_cluster(cluster_path), host, secret_key, log_level)
 
@@ -320,7 +320,7 @@ def keygen(out_dir: str, name: str) -> None:
 
 
 def _client_for(cluster_path: str, host: str) -> Any:
-    from ark.client import ArkClient
+    from ark.agent.client import ArkClient
 
     return ArkClient(_cluster(cluster_path).host(host).api, timeout_s=2.0)
 
@@ -331,7 +331,7 @@ def _client_for(cluster_path: str, host: str) -> Any:
 @click.option("--json", "as_json", is_flag=True)
 def status(cluster_path: str, host: str, as_json: bool) -> None:
     """This host's view: peers up or down, reserved links, counters."""
-    from ark.client import ArkClientError
+    from ark.agent.client import ArkClientError
 
     with _client_for(cluster_path, host) as c:
         try:
@@ -380,7 +380,7 @@ def ports(cluster_path: str, host: str, peer: str, dport: int | None) -> None:
 @click.option("--json", "as_json", is_flag=True)
 def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, as_json: bool) -> None:
     """Start N real agents on loopback, drive reserve/release cycles, report."""
-    from ark.loopback import run_cluster
+    from ark.agent.loopback import run_cluster
 
     if kill >= agents:
         raise click.BadParameter(f"must be below --agents ({agents})", param_hint="--kill")

@@ -16,8 +16,8 @@ TB_HELP_DIR = "State folder (default /run/ark-testbed, or $ARK_TESTBED_DIR)."
 
 
 def _spec(config_path: str | None, **kw: Any) -> Any:
-    from ark import config as cfgmod
-    from ark.testbed import TestbedSpec
+    from ark.sim import config as cfgmod
+    from ark.testbed.fabric import TestbedSpec
 
     if config_path is None:
         return TestbedSpec(**kw)
@@ -25,7 +25,7 @@ def _spec(config_path: str | None, **kw: Any) -> Any:
 
 
 def _state(prefix: str, base: str | None) -> Any:
-    from ark.testbed import State, state_dir
+    from ark.testbed.fabric import State, state_dir
 
     return State.load(state_dir(prefix, base))
 
@@ -47,8 +47,8 @@ def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | No
     """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""
     import dataclasses
 
-    from ark import cluster as clmod
-    from ark.probe import refresh
+    from ark.agent import cluster as clmod
+    from ark.agent.probe import refresh
 
     c = clmod.load(cluster_path)
     if c.pathmap_dir is None:
@@ -92,7 +92,7 @@ def testbed() -> None:
 def tb_up(config_path: str | None, scale: float, hash_policy: str, queue_ms: float, prefix: str,
           state_dir: str | None, as_json: bool) -> None:
     """Build the fabric: namespaces, veths, multipath routes, rate limits, management bridge."""
-    from ark import testbed as tb
+    from ark.testbed import fabric as tb
 
     st = tb.up(_spec(config_path, scale=scale, hash_policy=hash_policy, queue_ms=queue_ms, prefix=prefix), state_dir)
     info = tb.status(prefix, state_dir)
@@ -110,7 +110,7 @@ def tb_up(config_path: str | None, scale: float, hash_policy: str, queue_ms: flo
 @click.option("--state-dir", help=TB_HELP_DIR)
 def tb_down(prefix: str, state_dir: str | None) -> None:
     """Remove everything `up` created (also after a crash; idempotent)."""
-    from ark import testbed as tb
+    from ark.testbed import fabric as tb
 
     removed = tb.down(prefix, state_dir)
     out.print(f"removed {len(removed)} namespaces" if removed else "nothing to remove")
@@ -121,7 +121,7 @@ def tb_down(prefix: str, state_dir: str | None) -> None:
 @click.option("--state-dir", help=TB_HELP_DIR)
 def tb_status(prefix: str, state_dir: str | None) -> None:
     """What the state file lists, and what of it is missing."""
-    from ark import testbed as tb
+    from ark.testbed import fabric as tb
 
     click.echo(json.dumps(tb.status(prefix, state_dir), indent=1))
 
@@ -134,7 +134,7 @@ def tb_status(prefix: str, state_dir: str | None) -> None:
 @click.option("--state-dir", help=TB_HELP_DIR)
 def tb_link(leaf: int, spine: int, state: str, prefix: str, state_dir: str | None) -> None:
     """Take the LEAF-SPINE link down or bring it back (the kernel re-hashes)."""
-    from ark import testbed as tb
+    from ark.testbed import fabric as tb
 
     tb.set_link(_state(prefix, state_dir), leaf, spine, state == "up")
     out.print(f"leaf{leaf}-spine{spine} {state}")
@@ -147,7 +147,7 @@ def tb_link(leaf: int, spine: int, state: str, prefix: str, state_dir: str | Non
 @click.option("--json", "as_json", is_flag=True)
 def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Every prefill host probes every decode host; maps are checked against the kernel."""
-    from ark import testbed_run as tr
+    from ark.testbed import run as tr
 
     st = _state(prefix, state_dir)
     fab = st.spec.fabric()
@@ -176,7 +176,7 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
            out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
-    from ark import testbed_run as tr
+    from ark.testbed import run as tr
 
     seed_list = _seeds(seeds) or (0,)
     failure = _fail_link(fail_link) if fail_link else None

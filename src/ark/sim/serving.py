@@ -19,7 +19,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ark.workload import ModelSpec, Request, WorkloadError, get_model
+from ark.sim.workload import ModelSpec, Request, WorkloadError, get_model
 
 MODES = ("paper", "queued")
 PLACEMENTS = ("round-robin", "random")

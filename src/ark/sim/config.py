@@ -25,12 +25,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ark.hashing import HASH_MODELS
-from ark.pathmap import ROCE_PORT_RANGE, PathMapError, parse_port_range
-from ark.serving import GPUS, MODES, PLACEMENTS, AffineLatency, Serving, latency_model
-from ark.simulator import SCHEMES
-from ark.topology import HASH_SELECTIONS, PRESETS, TRANSPORTS, Fabric, TopologyError, spine_leaf
-from ark.workload import MODELS, WorkloadError, get_model
+from ark.core.hashing import HASH_MODELS
+from ark.core.pathmap import ROCE_PORT_RANGE, PathMapError, parse_port_range
+from ark.core.topology import HASH_SELECTIONS, PRESETS, TRANSPORTS, Fabric, TopologyError, spine_leaf
+from ark.sim.engine import SCHEMES
+from ark.sim.serving import GPUS, MODES, PLACEMENTS, AffineLatency, Serving, latency_model
+from ark.sim.workload import MODELS, WorkloadError, get_model
 
 DEFAULT_QPS = (1.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0)
 

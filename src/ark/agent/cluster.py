@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ark.config import ConfigError
-from ark.config import from_dict as experiment_from_dict
-from ark.pathmap import PathMap, PathMapError, fabric_pathmap, parse_port_range
-from ark.protocol import POLICIES
-from ark.topology import Fabric
+from ark.core.pathmap import PathMap, PathMapError, fabric_pathmap, parse_port_range
+from ark.core.protocol import POLICIES
+from ark.core.topology import Fabric
+from ark.sim.config import ConfigError
+from ark.sim.config import from_dict as experiment_from_dict
 
 _Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 _ENDPOINT = re.compile(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$")

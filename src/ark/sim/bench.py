@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from ark.config import ExperimentConfig
-from ark.hashing import get_model
-from ark.messages import Reserve, encode
-from ark.pathmap import ROCE_PORT_RANGE, compute_buckets
-from ark.protocol import ArkCore
-from ark.simulator import PathMapCache
-from ark.topology import spine_leaf
+from ark.core.hashing import get_model
+from ark.core.messages import Reserve, encode
+from ark.core.pathmap import ROCE_PORT_RANGE, compute_buckets
+from ark.core.protocol import ArkCore
+from ark.core.topology import spine_leaf
+from ark.sim.config import ExperimentConfig
+from ark.sim.engine import PathMapCache
 
 # The paper's controller costs (Intel i9, one thread), for side-by-side reporting.
 PAPER = {
@@ -102,7 +102,7 @@ def controller(hash_name: str = "murmur3-hpcc", repeat: int = 7) -> dict[str, An
 
 def reproduce(cfg: ExperimentConfig, jobs: int) -> dict[str, Any]:
     """Wall time and simulator events per second of a whole sweep."""
-    from ark.experiment import plan, run_sweep
+    from ark.sim.experiment import plan, run_sweep
 
     t = time.perf_counter()
     sweep = run_sweep(cfg, jobs=jobs)

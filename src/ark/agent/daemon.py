@@ -1,4 +1,4 @@
-"""The ARK agent: one per host, moving the bytes of an :class:`ark.node.Node`.
+"""The ARK agent: one per host, moving the bytes of an :class:`ark.core.node.Node`.
 
 Sockets (ZeroMQ, brokerless, every peer link CURVE-encrypted and authenticated):
 
@@ -38,11 +38,11 @@ import msgpack
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from ark.cluster import Cluster, ClusterError, HostEntry, read_secret_key
-from ark.messages import ProtocolError
-from ark.node import LeasePolicy, Node, NotReady, Output, Publish
-from ark.probe import load_routers
-from ark.protocol import CoreError
+from ark.agent.cluster import Cluster, ClusterError, HostEntry, read_secret_key
+from ark.agent.probe import load_routers
+from ark.core.messages import ProtocolError
+from ark.core.node import LeasePolicy, Node, NotReady, Output, Publish
+from ark.core.protocol import CoreError
 
 API_MAX_BYTES = 4096
 log = logging.getLogger("ark.agent")
@@ -275,8 +275,8 @@ class Agent:
         ``check``: first re-probe a few ports per peer and refresh only the peers whose
         map no longer holds (nobody waits for an answer).
         """
-        from ark.probe import check as probe_check
-        from ark.probe import refresh
+        from ark.agent.probe import check as probe_check
+        from ark.agent.probe import refresh
 
         if self._refresh is not None and self._refresh.is_alive():
             raise ValueError("refresh: one is already running")

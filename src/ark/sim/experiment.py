@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from ark.config import ExperimentConfig
-from ark.serving import Placed
-from ark.simulator import FlowSpec, FluidSim, PathMapCache
-from ark.topology import Fabric
-from ark.workload import Request, ZipfWorkload, load_trace
+from ark.core.topology import Fabric
+from ark.sim.config import ExperimentConfig
+from ark.sim.engine import FlowSpec, FluidSim, PathMapCache
+from ark.sim.serving import Placed
+from ark.sim.workload import Request, ZipfWorkload, load_trace
 
 RECORD_KEYS = (
     "scheme", "qps", "seed", "requests", "offered_load", "fct_mean_s", "fct_p50_s", "fct_p95_s",

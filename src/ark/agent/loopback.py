@@ -2,7 +2,7 @@
 
 Used by ``ark cluster`` and the tests. Every agent is a separate ``python -m ark agent``
 process with its own CURVE key pair, talking over 127.0.0.1 TCP; the driver talks to
-each agent's local API through :class:`ark.client.ArkClient`.
+each agent's local API through :class:`ark.agent.client.ArkClient`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ark.client import AgentNotReady, ArkClient, ArkClientError, wait_ready
+from ark.agent.client import AgentNotReady, ArkClient, ArkClientError, wait_ready
 
 HELD_BYTES = 10**10  # the long-lived leases: 10 GB, a lease of a few seconds
 
@@ -196,7 +196,7 @@ def run_cluster(
     # As many spines as agents: the held leases plus the load leave paths free, so
     # that requests reserve (and broadcast) instead of falling back to ECMP.
     cfile, names = write_cluster(wd, agents, policy=policy, lease_min_s=lease_min_s, spines=max(4, agents))
-    from ark import cluster as clmod
+    from ark.agent import cluster as clmod
 
     cl = clmod.load(cfile)
     leaf = {h.name: cl.fabric.hosts[h.index].leaf for h in cl.hosts}

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ark.hashing import get_model, select_many
-from ark.topology import Fabric
+from ark.core.hashing import get_model, select_many
+from ark.core.topology import Fabric
 
 ROCE_PORT_RANGE = (0xC000, 0xFFFF)  # ports a RoCEv2 GRH flow label can produce
 FULL_PORT_RANGE = (0, 0xFFFF)
-# ``hash`` and ``selection`` of a map learnt by probing (ark.probe): it covers only the
+# ``hash`` and ``selection`` of a map learnt by probing (ark.agent.probe): it covers only the
 # probed ports of its range, and ports it does not know map to path -1.
 PROBED = "probe"
 
@@ -244,7 +244,7 @@ def fabric_pathmap(
 
 def switch_path(fabric: Fabric, src: int, dst: int, sport: int, dport: int, proto: int = 17) -> int:
     """The path the simulated switch picks for one packet, hashing its exact key bytes."""
-    from ark.hashing import select
+    from ark.core.hashing import select
 
     n = fabric.n_paths(src, dst)
     if n == 1:

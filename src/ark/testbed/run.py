@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from ark.client import wait_ready
-from ark.pathmap import PathMap
-from ark.testbed import KernelRoutes, State, TestbedError, counting, set_link, spawn_in_host
+from ark.agent.client import wait_ready
+from ark.core.pathmap import PathMap
+from ark.testbed.fabric import KernelRoutes, State, TestbedError, counting, set_link, spawn_in_host
 
 TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance")
 PROBE_CHECK_S = 0.5  # agents re-probe a few ports this often and refresh on a re-hash
@@ -71,8 +71,8 @@ class RunParams:
 
 def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[dict[str, Any]], float]:
     """KV flows of the simulator's workload, scaled; and the nominal offered load."""
-    from ark.config import default
-    from ark.experiment import offered_load, place
+    from ark.sim.config import default
+    from ark.sim.experiment import offered_load, place
 
     cfg = default().with_overrides(requests=requests)
     spec = st.spec
@@ -223,7 +223,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
         for d in receivers:
             ready = work / f"ready-gpu{d}"
             ready.unlink(missing_ok=True)
-            procs.append(spawn_in_host(st, d, [sys.executable, "-m", "ark.transfer", "serve", "--bind",
+            procs.append(spawn_in_host(st, d, [sys.executable, "-m", "ark.testbed.transfer", "serve", "--bind",
                                                lay.host_ip(d), "--port", str(spec.dport), "--ready", str(ready)],
                                        work / f"recv-gpu{d}.log"))
         apis = {}
@@ -247,7 +247,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
             for s in senders:
                 mine = [f for f in flows if f["src_index"] == s]
                 (work / f"plan-gpu{s}.json").write_text(json.dumps(mine))
-                argv = [sys.executable, "-m", "ark.transfer", "send", "--plan", str(work / f"plan-gpu{s}.json"),
+                argv = [sys.executable, "-m", "ark.testbed.transfer", "send", "--plan", str(work / f"plan-gpu{s}.json"),
                         "--src-ip", lay.host_ip(s), "--t0", repr(t0), "--out", str(work / f"out-gpu{s}.json")]
                 if s in apis:
                     argv += ["--api", apis[s]]
@@ -292,7 +292,7 @@ def _fabric_change(st: State, params: RunParams, pairs: dict[int, set[int]], clu
 
 def _change(st: State, params: RunParams, pairs: dict[int, set[int]], cluster: Path, t0: float,
             apis: dict[int, str], change: dict[str, Any], progress: Progress) -> None:
-    from ark.client import ArkClient
+    from ark.agent.client import ArkClient
 
     assert params.fail_link is not None
     leaf, spine, at = params.fail_link

@@ -1,6 +1,6 @@
 """One host's control-plane node: the reservation core plus replication, sans-IO.
 
-:class:`Node` wraps :class:`ark.protocol.ArkCore` with everything a real deployment
+:class:`Node` wraps :class:`ark.core.protocol.ArkCore` with everything a real deployment
 needs between hosts, still without sockets or clocks (``now`` is passed in):
 
 * an envelope per published message ``[1, kind, sender, incarnation, seq, payload]``
@@ -21,7 +21,7 @@ needs between hosts, still without sockets or clocks (``now`` is passed in):
 * readiness: after :meth:`Node.start` the node refuses reservations until every peer has
   answered its sync request or ``sync_timeout_s`` has passed.
 
-The agent (``ark.agent``) moves the bytes this class returns; the fault harness in the
+The agent (``ark.agent.daemon``) moves the bytes this class returns; the fault harness in the
 tests drives it over a simulated network with loss, duplication, reordering, partitions,
 crashes and clock skew.
 """
@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ark.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, decode, encode
-from ark.protocol import ArkCore, CoreError, PathMaps, Repath, Routes
-from ark.roce import flow_label_for_sport
+from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, decode, encode
+from ark.core.protocol import ArkCore, CoreError, PathMaps, Repath, Routes
+from ark.core.roce import flow_label_for_sport
 
 ENVELOPE_VERSION = 1
 K_DATA, K_HELLO, K_SYNC_REQ, K_SYNC_REP = 1, 2, 3, 4

@@ -193,7 +193,7 @@ def spine_leaf(
     address ``<subnet base> + a*256 + i + 1``. By default prefill GPUs sit on the first
     half of the leaves and decode GPUs on the rest (the paper: leaf 0 / leaf 1).
     """
-    from ark.hashing import HASH_MODELS  # local import: hashing does not need topology
+    from ark.core.hashing import HASH_MODELS  # local import: hashing does not need topology
 
     if leaves < 1:
         raise TopologyError(f"fabric.leaves: must be >= 1, got {leaves}")

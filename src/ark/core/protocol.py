@@ -58,15 +58,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from ark.messages import FlowId, Key, Message, Release, Renew, Reserve
-from ark.pathmap import PathMap, PortBuckets
-from ark.roce import flow_label_for_sport
+from ark.core.messages import FlowId, Key, Message, Release, Renew, Reserve
+from ark.core.pathmap import PathMap, PortBuckets
+from ark.core.roce import flow_label_for_sport
 
 POLICIES = ("ark", "ark-balance")
 
 
 class Routes(Protocol):
-    """What the core needs of a topology (``ark.topology.Fabric`` provides it)."""
+    """What the core needs of a topology (``ark.core.topology.Fabric`` provides it)."""
 
     def stages(self, src: int, dst: int) -> tuple[tuple[int, ...], ...]: ...
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ark.pathmap import PROBED, PathMap
+from ark.core.pathmap import PROBED, PathMap
 
 IP_RECVERR = 11  # Python 3.11 has no socket.IP_RECVERR
 SO_EE_ORIGIN_ICMP = 2

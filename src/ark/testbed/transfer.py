@@ -1,8 +1,8 @@
 """KV-transfer endpoints for the namespace testbed: real TCP flows, one per KV transfer.
 
-``python -m ark.transfer serve`` runs in a decode host: it accepts flows, reads the 8-byte
+``python -m ark.testbed.transfer serve`` runs in a decode host: it accepts flows, reads the 8-byte
 size header and that many bytes, then closes first (so TIME_WAIT sits at the receiver and
-the sender can reuse its source port at once). ``python -m ark.transfer send`` runs in a
+the sender can reuse its source port at once). ``python -m ark.testbed.transfer send`` runs in a
 prefill host: it starts each planned flow at its time; under ARK the flow first takes a
 lease from the local agent and binds the lease's source port before connect(), under ECMP
 it lets the kernel pick an ephemeral port. A flow's FCT runs from its planned start (so
@@ -143,7 +143,7 @@ def _segments(src_ip: str, f: dict[str, Any], t0: float, port: int, path: int | 
 
 
 def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[dict[str, Any]]) -> None:
-    from ark.client import ArkClient, ArkClientError
+    from ark.agent.client import ArkClient, ArkClientError
 
     planned = t0 + f["start_s"]
     delay = planned - time.time()
@@ -187,7 +187,7 @@ def send(plan: Sequence[dict[str, Any]], src_ip: str, t0: float, api: str | None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ark.transfer")
+    ap = argparse.ArgumentParser(prog="python -m ark.testbed.transfer")
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--bind", required=True)

@@ -3,14 +3,14 @@
 Flows share bandwidth max-min fairly over every directed link they cross (source NIC,
 leaf uplink, spine downlink, destination NIC); rates are recomputed at each arrival,
 completion and re-path. Link capacity is line rate x transport efficiency (payload
-goodput, see ``ark.topology.TRANSPORTS``). Events sit on a heap keyed ``(time, seq)``;
+goodput, see ``ark.core.topology.TRANSPORTS``). Events sit on a heap keyed ``(time, seq)``;
 one seeded generator per run owns every random draw, so a seed fixes the run.
 
 Schemes:
 
 * ``ecmp``: every flow gets a random source port from the port range; the simulated
   source leaf hashes its exact key bytes with the fabric's hash model.
-* ``ark`` / ``ark-balance``: one :class:`ark.protocol.ArkCore` per host; messages reach
+* ``ark`` / ``ark-balance``: one :class:`ark.core.protocol.ArkCore` per host; messages reach
   peers after the control-plane one-way delay, so races happen as they would. The
   switches still hash the chosen port; any disagreement with the reserved path is
   counted in ``path_mismatches``.
@@ -28,10 +28,10 @@ from typing import cast
 
 import numpy as np
 
-from ark.messages import FlowId, Message
-from ark.pathmap import ROCE_PORT_RANGE, PathMap, fabric_pathmap, switch_path
-from ark.protocol import ArkCore, Repath
-from ark.topology import Fabric
+from ark.core.messages import FlowId, Message
+from ark.core.pathmap import ROCE_PORT_RANGE, PathMap, fabric_pathmap, switch_path
+from ark.core.protocol import ArkCore, Repath
+from ark.core.topology import Fabric
 
 SCHEMES = ("ecmp", "ark", "ark-balance", "spray")
 

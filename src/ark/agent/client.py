@@ -1,6 +1,6 @@
 """Client for a local ARK agent: what a serving engine calls before a KV transfer.
 
-    from ark.client import ArkClient
+    from ark.agent.client import ArkClient
 
     with ArkClient("ipc:///run/ark/gpu0.sock") as ark:
         with ark.lease("gpu8", nbytes) as lease:      # renewed in the background
@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from ark.node import Lease
+from ark.core.node import Lease
 
 
 class ArkClientError(RuntimeError):

@@ -1,9 +1,9 @@
 """A real spine-leaf fabric in Linux network namespaces, with the kernel doing ECMP.
 
-:func:`up` realises a :class:`~ark.topology.Fabric` with pyroute2 (netlink): one namespace
+:func:`up` realises a :class:`~ark.core.topology.Fabric` with pyroute2 (netlink): one namespace
 per host, leaf and spine, veth links, and on every leaf a multipath route to each remote
 leaf over all spines. The leaves hash the L4 5-tuple with SipHash under a random key, so
-ARK cannot know the mapping and learns it by probing (:mod:`ark.probe`). Every fabric link
+ARK cannot know the mapping and learns it by probing (:mod:`ark.agent.probe`). Every fabric link
 is rate-limited by tc (tbf) at ``scale`` times its nominal rate, so that two CPU cores can
 saturate it; flow sizes scale by the same factor and times stay as they are.
 
@@ -40,8 +40,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ark import netns
-from ark.topology import Fabric, spine_leaf
+from ark.core.topology import Fabric, spine_leaf
+from ark.testbed import netns as netns
 
 HASH_POLICIES = {"headers": 3, "l4": 1}
 _HASH_FIELDS = 0x0001 | 0x0002 | 0x0004 | 0x0010 | 0x0020  # src ip, dst ip, proto, sport, dport
@@ -626,7 +626,7 @@ def counting(st: State) -> Iterator[SpineCounters]:
     ready = st.dir / "capture.ready"
     for f in (out, ready):
         f.unlink(missing_ok=True)
-    p = subprocess.Popen([sys.executable, "-m", "ark.testbed", "capture", str(st.dir), str(out), str(ready)],
+    p = subprocess.Popen([sys.executable, "-m", "ark.testbed.fabric", "capture", str(st.dir), str(out), str(ready)],
                          stdin=subprocess.DEVNULL)
     counters = SpineCounters(st, open_sockets=False)
     try:
@@ -650,7 +650,7 @@ def counting(st: State) -> Iterator[SpineCounters]:
 
 
 def _capture_main(argv: Sequence[str]) -> int:
-    """``python -m ark.testbed capture STATE_DIR OUT READY``: count until SIGTERM, write OUT."""
+    """``python -m ark.testbed.fabric capture STATE_DIR OUT READY``: count until SIGTERM, write OUT."""
     d, out, ready = Path(argv[0]), Path(argv[1]), Path(argv[2])
     st = State.load(d)
     stop = threading.Event()
@@ -676,4 +676,4 @@ if __name__ == "__main__":
 
     if len(sys.argv) == 5 and sys.argv[1] == "capture":
         sys.exit(_capture_main(sys.argv[2:]))
-    sys.exit("usage: python -m ark.testbed capture STATE_DIR OUT READY")
+    sys.exit("usage: python -m ark.testbed.fabric capture STATE_DIR OUT READY")
