@@ -6,9 +6,9 @@ import random
 from dataclasses import dataclass, field
 
 from ark.core.messages import FlowId, Message, decode, encode
+from ark.core.pathmap import PathMapCache
 from ark.core.protocol import ArkCore
 from ark.core.topology import Fabric
-from ark.sim.engine import PathMapCache
 
 
 @dataclass

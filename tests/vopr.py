@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 from ark.core.messages import FlowId
 from ark.core.node import K_HELLO, LeasePolicy, Node, NotReady, Output, Publish, decode_envelope
+from ark.core.pathmap import PathMapCache
 from ark.core.topology import spine_leaf
-from ark.sim.engine import PathMapCache
 
 FABRIC = spine_leaf(leaves=3, spines=3, gpus_per_leaf=2, hash="crc32")
 MAPS = PathMapCache(FABRIC)

@@ -1,24 +1,16 @@
 """ARK: host-side path reservation for KV-cache flows across ECMP fabrics.
 
-Modules:
+One pure core and three shells that drive it (``docs/architecture.md``):
 
-* :mod:`ark.core.topology`   fabric descriptions (hosts, switches, links, paths)
-* :mod:`ark.core.hashing`    switch ECMP hash models, scalar and vectorised
-* :mod:`ark.core.pathmap`    boot-time path maps M(p_k) and source-port buckets
-* :mod:`ark.core.roce`       RoCEv2 flow-label / UDP source-port facts
-* :mod:`ark.core.messages`   RESERVE / RELEASE and their msgpack wire format
-* :mod:`ark.core.protocol`   the sans-IO reservation core (one per host)
-* :mod:`ark.sim.workload`   model shapes, Vidur's Zipf lengths, Poisson and trace arrivals
-* :mod:`ark.sim.serving`    compute latency, placement, TTFT / TPOT
-* :mod:`ark.sim.engine`  the fluid fabric simulator
-* :mod:`ark.sim.experiment` sweeps, records and result files
-* :mod:`ark.sim.config`     TOML configuration and the embedded default
-* :mod:`ark.sim.bench`      controller and reproduction benchmarks
-* :mod:`ark.core.node`       sans-IO replication: envelopes, sequence numbers, sync, leases
-* :mod:`ark.agent.daemon`      the agent daemon (ZeroMQ, CURVE, local API, logs, metrics)
-* :mod:`ark.agent.client`     the serving engine's client
-* :mod:`ark.agent.cluster`    cluster files
-* :mod:`ark.agent.loopback`   real agent processes on loopback (``ark cluster``)
+* :mod:`ark.core`     the sans-IO reservation protocol and what it stands on: fabric
+  descriptions, switch hash models, path maps, wire messages, replication, config schema
+* :mod:`ark.sim`      the fluid fabric simulator, the LLM-serving model, sweeps, benchmarks
+* :mod:`ark.agent`    the real control plane: agent daemon, client, cluster files, probing
+* :mod:`ark.testbed`  a real fabric in Linux network namespaces with kernel ECMP
+* :mod:`ark.cli`      the ``ark`` command, the only layer that prints or plots
+
+The core imports no shell; the simulator and the agent import neither each other nor
+the testbed (import-linter contracts in ``pyproject.toml``).
 """
 
 __version__ = "0.1.0"

@@ -31,6 +31,9 @@ Example::
     # metrics_port = 9100          # optional Prometheus endpoint on 127.0.0.1
 
 Every bad value raises :class:`ClusterError` with a one-line message naming the field.
+Programs that write cluster files (``ark cluster``, the testbed) build a
+:class:`ClusterFile` and :meth:`~ClusterFile.save` it, so what they write is checked the
+same way.
 """
 
 from __future__ import annotations
@@ -39,20 +42,103 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from ark.core.pathmap import PathMap, PathMapError, fabric_pathmap, parse_port_range
+import msgspec
+import tomli_w
+
+from ark.core.fabric_config import FabricConfig
+from ark.core.node import LeasePolicy
+from ark.core.pathmap import PathMapCache, PathMapError, parse_port_range
 from ark.core.protocol import POLICIES
+from ark.core.schema import ConfigError, NonNegative, Port, Positive, convert, one_of
 from ark.core.topology import Fabric
-from ark.sim.config import ConfigError
-from ark.sim.config import from_dict as experiment_from_dict
 
 _Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 _ENDPOINT = re.compile(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$")
 
 
-class ClusterError(ValueError):
+class ClusterError(ConfigError):
     """An invalid cluster file."""
+
+
+class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[cluster]`` table."""
+
+    policy: str = "ark"
+    dport: Port = 4791
+    port_range: str = "49152-65535"
+    lease_min_s: Positive = 1.0
+    lease_slack: Annotated[float, msgspec.Meta(ge=1, le=1e6)] = 2.0
+    heartbeat_s: Positive = 0.5
+    peer_timeout_s: Positive = 2.0
+    sync_timeout_s: Positive = 1.0
+    retention_s: Positive = 5.0
+    pathmap_dir: str | None = None
+    routers_file: str | None = None  # JSON: router address -> path index, for probing
+    probe_proto: Literal["udp", "tcp"] = "udp"
+    probe_sample: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 128
+    probe_check_s: NonNegative = 0.0  # > 0: re-probe a few ports this often; refresh on a change
+
+    def __post_init__(self) -> None:
+        one_of("policy", self.policy, POLICIES)
+        try:
+            parse_port_range(self.port_range)
+        except PathMapError as e:
+            raise ValueError(str(e)) from None
+        if self.routers_file is not None and self.pathmap_dir is None:
+            raise ValueError("routers_file: needs pathmap_dir, where probed maps are written")
+        if self.probe_check_s > 0 and self.routers_file is None:
+            raise ValueError(f"probe_check_s: must be >= 0 and needs routers_file; got {self.probe_check_s}")
+
+    @property
+    def source_ports(self) -> tuple[int, int]:
+        return parse_port_range(self.port_range)
+
+    def lease(self) -> LeasePolicy:
+        return LeasePolicy(self.lease_min_s, self.lease_slack)
+
+
+class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[hosts]]`` table."""
+
+    name: str
+    control: str  # where this agent listens for its peers (management network)
+    api: str  # local API for this host's serving engines
+    public_key: str
+    secret_key_file: str | None = None
+    metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("control", "api"):
+            v = getattr(self, key)
+            if not _ENDPOINT.match(v):
+                raise ValueError(f"{key}: must be tcp://HOST:PORT or ipc://PATH; got {v!r}")
+        if not _Z85.match(self.public_key):
+            raise ValueError("public_key: must be a 40-character Z85 CURVE key (ark keygen)")
+
+
+class ClusterFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A whole cluster file, as written."""
+
+    hosts: Annotated[list[HostTable], msgspec.Meta(min_length=1)]
+    cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
+    fabric: FabricConfig = msgspec.field(default_factory=FabricConfig)
+
+    def save(self, path: str | Path) -> Path:
+        """Write as TOML (tomli-w); what ``load`` reads back is this file."""
+        p = Path(path)
+        tables = _drop_none(msgspec.to_builtins(self))  # TOML has no null: absent means default
+        p.write_text(tomli_w.dumps({k: tables[k] for k in ("cluster", "fabric", "hosts")}))
+        return p
+
+
+def _drop_none(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _drop_none(x) for k, x in v.items() if x is not None}
+    if isinstance(v, list):
+        return [_drop_none(x) for x in v]
+    return v
 
 
 @dataclass(frozen=True)
@@ -66,24 +152,11 @@ class HostEntry:
     metrics_port: int | None
 
 
-@dataclass(frozen=True)
-class Cluster:
+class Cluster(ClusterSettings, frozen=True, kw_only=True):
+    """A loaded cluster file: the ``[cluster]`` settings, the built fabric and the hosts."""
+
     fabric: Fabric
     hosts: tuple[HostEntry, ...]
-    policy: str = "ark"
-    dport: int = 4791
-    port_range: tuple[int, int] = (49152, 65535)
-    lease_min_s: float = 1.0
-    lease_slack: float = 2.0
-    heartbeat_s: float = 0.5
-    peer_timeout_s: float = 2.0
-    sync_timeout_s: float = 1.0
-    retention_s: float = 5.0
-    pathmap_dir: str | None = None
-    routers_file: str | None = None  # JSON: router address -> path index, for probing
-    probe_proto: str = "udp"
-    probe_sample: int = 128
-    probe_check_s: float = 0.0  # > 0: re-probe a few ports this often; refresh on a change
 
     def host(self, name: str) -> HostEntry:
         for h in self.hosts:
@@ -97,156 +170,44 @@ class Cluster:
                 return h
         raise ClusterError(f"host: no cluster host has fabric index {index}")
 
-    def pathmaps(self) -> PathMapLoader:
-        return PathMapLoader(self)
+    def pathmaps(self) -> PathMapCache:
+        """Maps from ``pathmap_dir`` files where present, else from the fabric's hash model."""
+        return PathMapCache(self.fabric, self.source_ports, self.pathmap_dir)
+
+    def pathmap_file(self, src: str, dst: str) -> Path:
+        """Where the map ``src`` -> ``dst`` (host names) lives in ``pathmap_dir``."""
+        from ark.core.pathmap import pathmap_filename
+
+        if self.pathmap_dir is None:
+            raise ClusterError("cluster.pathmap_dir: required to store probed maps")
+        return Path(self.pathmap_dir) / pathmap_filename(src, dst, self.dport)
 
 
-class PathMapLoader:
-    """Path maps from ``pathmap_dir`` files when present, else from the fabric's hashes."""
-
-    def __init__(self, cluster: Cluster) -> None:
-        self.cluster = cluster
-        self._maps: dict[tuple[int, int, int], PathMap] = {}
-
-    def file_for(self, src: int, dst: int, dport: int) -> Path | None:
-        d = self.cluster.pathmap_dir
-        if d is None:
-            return None
-        f = self.cluster.fabric
-        return Path(d) / f"{f.hosts[src].name}__{f.hosts[dst].name}__{dport}.json"
-
-    def clear(self) -> None:
-        """Forget loaded maps: the next lookup reads the files again."""
-        self._maps.clear()
-
-    def __call__(self, src: int, dst: int, dport: int) -> PathMap:
-        key = (src, dst, dport)
-        m = self._maps.get(key)
-        if m is None:
-            path = self.file_for(src, dst, dport)
-            if path is not None and path.is_file():
-                m = PathMap.load(path)
-                if m.paths != self.cluster.fabric.n_paths(src, dst):
-                    raise PathMapError(f"path map {path}: {m.paths} paths, the fabric has {self.cluster.fabric.n_paths(src, dst)}")
-            else:
-                m = fabric_pathmap(self.cluster.fabric, src, dst, dport, self.cluster.port_range)
-            self._maps[key] = m
-        return m
-
-
-def _get(d: dict[str, Any], key: str, kind: type, where: str, default: Any = None, required: bool = False) -> Any:
-    if key not in d:
-        if required:
-            raise ClusterError(f"{where}.{key}: required")
-        return default
-    v = d[key]
-    ok = isinstance(v, kind) and not (kind in (int, float) and isinstance(v, bool))
-    if kind is float and isinstance(v, int) and not isinstance(v, bool):
-        v, ok = float(v), True
-    if not ok:
-        raise ClusterError(f"{where}.{key}: must be {kind.__name__}; got {v!r}")
-    return v
-
-
-_CLUSTER_KEYS = (
-    "policy", "dport", "port_range", "lease_min_s", "lease_slack", "heartbeat_s", "peer_timeout_s",
-    "sync_timeout_s", "retention_s", "pathmap_dir", "routers_file", "probe_proto", "probe_sample",
-    "probe_check_s",
-)
-_HOST_KEYS = ("name", "control", "api", "public_key", "secret_key_file", "metrics_port")
+def _resolve(path: str | None, base: Path | None) -> str | None:
+    if path is None or base is None or Path(path).is_absolute():
+        return path
+    return str(base / path)
 
 
 def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
-    for k in d:
-        if k not in ("cluster", "fabric", "hosts"):
-            raise ClusterError(f"{k}: unknown section; accepted: cluster, fabric, hosts")
-    try:
-        fabric = experiment_from_dict({"fabric": d.get("fabric", {})}).fabric.build()
-    except ConfigError as e:
-        raise ClusterError(str(e)) from None
-    c = d.get("cluster", {})
-    if not isinstance(c, dict):
-        raise ClusterError("cluster: must be a table")
-    for k in c:
-        if k not in _CLUSTER_KEYS:
-            raise ClusterError(f"cluster.{k}: unknown key; accepted: {', '.join(_CLUSTER_KEYS)}")
-    policy = _get(c, "policy", str, "cluster", "ark")
-    if policy not in POLICIES:
-        raise ClusterError(f"cluster.policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
-    dport = _get(c, "dport", int, "cluster", 4791)
-    if not 0 <= dport <= 0xFFFF:
-        raise ClusterError(f"cluster.dport: must be 0..65535; got {dport}")
-    try:
-        port_range = parse_port_range(_get(c, "port_range", str, "cluster", "49152-65535"))
-    except PathMapError as e:
-        raise ClusterError(f"cluster.{e}") from None
-    nums = {}
-    for k, default in (("lease_min_s", 1.0), ("lease_slack", 2.0), ("heartbeat_s", 0.5),
-                       ("peer_timeout_s", 2.0), ("sync_timeout_s", 1.0), ("retention_s", 5.0)):
-        v = _get(c, k, float, "cluster", default)
-        if not v > 0 or (k == "lease_slack" and v < 1):
-            raise ClusterError(f"cluster.{k}: must be > 0{' and >= 1' if k == 'lease_slack' else ''}; got {v}")
-        nums[k] = v
-    pdir = _get(c, "pathmap_dir", str, "cluster")
-    if pdir is not None and base is not None and not Path(pdir).is_absolute():
-        pdir = str(base / pdir)
-    routers = _get(c, "routers_file", str, "cluster")
-    if routers is not None and base is not None and not Path(routers).is_absolute():
-        routers = str(base / routers)
-    if routers is not None and pdir is None:
-        raise ClusterError("cluster.routers_file: needs pathmap_dir, where probed maps are written")
-    proto = _get(c, "probe_proto", str, "cluster", "udp")
-    if proto not in ("udp", "tcp"):
-        raise ClusterError(f"cluster.probe_proto: must be one of udp, tcp; got {proto!r}")
-    sample = _get(c, "probe_sample", int, "cluster", 128)
-    if sample < 0:
-        raise ClusterError(f"cluster.probe_sample: must be >= 0 (0: the whole port range); got {sample}")
-    check_s = _get(c, "probe_check_s", float, "cluster", 0.0)
-    if check_s < 0 or (check_s > 0 and routers is None):
-        raise ClusterError(f"cluster.probe_check_s: must be >= 0 and needs routers_file; got {check_s}")
-    hosts_raw = d.get("hosts")
-    if not isinstance(hosts_raw, list) or not hosts_raw:
-        raise ClusterError("hosts: needs one or more [[hosts]] tables")
+    """Decode a parsed cluster file; relative paths resolve against ``base``."""
+    f = convert(d, ClusterFile, error=ClusterError)
+    fabric = f.fabric.build()
     names = {h.name: h.index for h in fabric.hosts}
     hosts: list[HostEntry] = []
-    seen: set[str] = set()
-    for i, h in enumerate(hosts_raw):
-        where = f"hosts[{i}]"
-        if not isinstance(h, dict):
-            raise ClusterError(f"{where}: must be a table")
-        for k in h:
-            if k not in _HOST_KEYS:
-                raise ClusterError(f"{where}.{k}: unknown key; accepted: {', '.join(_HOST_KEYS)}")
-        name = _get(h, "name", str, where, required=True)
-        if name not in names:
-            raise ClusterError(f"{where}.name: {name!r} is not a fabric host (gpu0..gpu{len(names) - 1})")
-        if name in seen:
-            raise ClusterError(f"{where}.name: {name!r} listed twice")
-        seen.add(name)
-        eps = {}
-        for k in ("control", "api"):
-            v = _get(h, k, str, where, required=True)
-            if not _ENDPOINT.match(v):
-                raise ClusterError(f"{where}.{k}: must be tcp://HOST:PORT or ipc://PATH; got {v!r}")
-            eps[k] = v
-        key = _get(h, "public_key", str, where, required=True)
-        if not _Z85.match(key):
-            raise ClusterError(f"{where}.public_key: must be a 40-character Z85 CURVE key (ark keygen)")
-        secret = _get(h, "secret_key_file", str, where)
-        if secret is not None and base is not None and not Path(secret).is_absolute():
-            secret = str(base / secret)
-        mport = _get(h, "metrics_port", int, where)
-        if mport is not None and not 1 <= mport <= 65535:
-            raise ClusterError(f"{where}.metrics_port: must be 1..65535; got {mport}")
-        hosts.append(HostEntry(name, names[name], eps["control"], eps["api"], key, secret, mport))
+    for i, h in enumerate(f.hosts):
+        if h.name not in names:
+            raise ClusterError(f"hosts[{i}].name: {h.name!r} is not a fabric host (gpu0..gpu{len(names) - 1})")
+        if any(x.name == h.name for x in hosts):
+            raise ClusterError(f"hosts[{i}].name: {h.name!r} listed twice")
+        hosts.append(HostEntry(h.name, names[h.name], h.control, h.api, h.public_key,
+                               _resolve(h.secret_key_file, base), h.metrics_port))
     keys = [h.public_key for h in hosts]
     if len(set(keys)) != len(keys):
         raise ClusterError("hosts.public_key: every host needs its own key")
-    return Cluster(
-        fabric, tuple(hosts), policy, dport, port_range, nums["lease_min_s"], nums["lease_slack"],
-        nums["heartbeat_s"], nums["peer_timeout_s"], nums["sync_timeout_s"], nums["retention_s"], pdir,
-        routers, proto, sample, check_s,
-    )
+    settings = msgspec.structs.asdict(f.cluster)
+    settings.update(pathmap_dir=_resolve(f.cluster.pathmap_dir, base), routers_file=_resolve(f.cluster.routers_file, base))
+    return Cluster(**settings, fabric=fabric, hosts=tuple(hosts))
 
 
 def load(path: str | Path) -> Cluster:

@@ -25,6 +25,11 @@ from typing import Any
 import numpy as np
 
 from ark.agent.client import AgentNotReady, ArkClient, ArkClientError, wait_ready
+from ark.agent.cluster import Cluster, ClusterFile, ClusterSettings, HostTable
+from ark.agent.cluster import load as load_cluster
+from ark.agent.keys import create_keypair
+from ark.core.fabric_config import FabricConfig
+from ark.core.node import Lease
 
 HELD_BYTES = 10**10  # the long-lived leases: 10 GB, a lease of a few seconds
 
@@ -56,40 +61,19 @@ def write_cluster(
     ``extra_hosts`` more hosts get keys and entries but no process is started for them
     by default (tests use them as strangers or impostors).
     """
-    import zmq.auth
-
     total = n + extra_hosts
     per_leaf = max(1, math.ceil(total / 2))
     names = [f"gpu{(i % 2) * per_leaf + i // 2}" for i in range(total)]  # alternate leaves
-    keys = workdir / "keys"
-    keys.mkdir(parents=True, exist_ok=True)
     ports = free_ports(total)
-    lines = [
-        "[cluster]",
-        f'policy = "{policy}"',
-        f"lease_min_s = {lease_min_s}",
-        f"heartbeat_s = {heartbeat_s}",
-        "peer_timeout_s = 1.0",
-        "sync_timeout_s = 1.0",
-        "",
-        "[fabric]",
-        f"leaves = 2\nspines = {spines}\ngpus_per_leaf = {per_leaf}",
-        "",
-    ]
+    hosts = []
     for i, name in enumerate(names):
-        pub_file, _sec_file = zmq.auth.create_certificates(str(keys), name)
-        pub, _ = zmq.auth.load_certificate(pub_file)
-        lines += [
-            "[[hosts]]",
-            f'name = "{name}"',
-            f'control = "tcp://127.0.0.1:{ports[i]}"',
-            f'api = "ipc://{workdir}/api/{name}.sock"',
-            f'public_key = "{pub.decode()}"',
-            f'secret_key_file = "keys/{name}.key_secret"',
-            "",
-        ]
-    path = workdir / "cluster.toml"
-    path.write_text("\n".join(lines))
+        public, _secret = create_keypair(workdir / "keys", name)
+        hosts.append(HostTable(name=name, control=f"tcp://127.0.0.1:{ports[i]}", api=f"ipc://{workdir}/api/{name}.sock",
+                               public_key=public, secret_key_file=f"keys/{name}.key_secret"))
+    settings = ClusterSettings(policy=policy, lease_min_s=lease_min_s, heartbeat_s=heartbeat_s,
+                               peer_timeout_s=1.0, sync_timeout_s=1.0)
+    path = ClusterFile(cluster=settings, fabric=FabricConfig(leaves=2, spines=spines, gpus_per_leaf=per_leaf),
+                       hosts=hosts).save(workdir / "cluster.toml")
     return path, names
 
 
@@ -104,11 +88,11 @@ class AgentProcs:
         return f"ipc://{self.workdir}/api/{name}.sock"
 
     def start(self, name: str) -> None:
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the process
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "ark", "agent", "--cluster", str(self.cluster_file), "--host", name],
-            stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-        )
+        with open(self.workdir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "ark", "agent", "--cluster", str(self.cluster_file), "--host", name],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+            )
 
     def cpu_s(self) -> float:
         """User + system CPU seconds of the running agent processes (Linux /proc)."""
@@ -141,27 +125,226 @@ class AgentProcs:
     def wait_ready(self, names: list[str], timeout_s: float = 30.0) -> None:
         wait_ready([self.api(n) for n in names], timeout_s)
 
+    def ask(self, names: list[str], req: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """One request to each named agent; their replies."""
+        out = {}
+        for n in names:
+            with ArkClient(self.api(n), timeout_s=10.0) as c:
+                out[n] = c.call(req)
+        return out
 
-def _status(procs: AgentProcs, names: list[str], samples: int = 0) -> dict[str, dict[str, Any]]:
-    out = {}
-    for n in names:
-        c = ArkClient(procs.api(n), timeout_s=10.0)
-        try:
-            out[n] = c.status(samples)
-        finally:
+    def status(self, names: list[str], samples: int = 0) -> dict[str, dict[str, Any]]:
+        return {n: r["status"] for n, r in self.ask(names, {"op": "status", "samples": samples}).items()}
+
+    def tables(self, names: list[str]) -> dict[str, set[tuple[int, int]]]:
+        return {n: {(f[0], f[1]) for f in r["flows"]} for n, r in self.ask(names, {"op": "table"}).items()}
+
+
+def _ms_percentile(samples: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(samples, q)) * 1e3, 3) if samples.size else None
+
+
+class LoopbackRun:
+    """The steps of ``ark cluster``: start, hold leases, pace, load (with kills), finish."""
+
+    def __init__(self, procs: AgentProcs, cluster: Cluster, *, seed: int, lease_min_s: float) -> None:
+        self.procs, self.cluster = procs, cluster
+        self.names = procs.names
+        self.leaf = {h.name: cluster.fabric.hosts[h.index].leaf for h in cluster.hosts}
+        self.rng = random.Random(seed)
+        self.seed, self.lease_min_s = seed, lease_min_s
+        self.report: dict[str, Any] = {}
+        self.held: dict[str, tuple[ArkClient, Lease]] = {}
+        self._stop_renew = threading.Event()
+
+    def remote(self, n: str, rng: random.Random) -> str:
+        return rng.choice([m for m in self.names if self.leaf[m] != self.leaf[n]])
+
+    def start(self) -> None:
+        t0 = time.monotonic()
+        for n in self.names:
+            self.procs.start(n)
+        self.procs.wait_ready(self.names)
+        self.report["startup_s"] = round(time.monotonic() - t0, 3)
+
+    def hold(self) -> bool:
+        """One long lease per agent, renewed in the background; do the tables agree on them?"""
+        for n in self.names:
+            c = ArkClient(self.procs.api(n))
+            self.held[n] = (c, c.reserve(self.remote(n, self.rng), HELD_BYTES))
+        self._renewer = threading.Thread(target=self._renew_held, daemon=True)
+        self._renewer.start()
+        time.sleep(0.3)
+        st = self.procs.status(self.names)
+        agents = len(self.names)
+        return len({s["digest"] for s in st.values()}) == 1 and all(s["reservations"] == agents for s in st.values())
+
+    def _renew_held(self) -> None:
+        # The held leases live as long as the run: renew them like an engine would.
+        while not self._stop_renew.wait(self.lease_min_s / 4):
+            for c, lease in list(self.held.values()):
+                with contextlib.suppress(ArkClientError):
+                    c.renew(lease.flow_id)
+
+    def samples(self) -> dict[str, list[float]]:
+        return {n: list(v["propagation_samples"]) for n, v in self.procs.status(self.names, 50_000).items()}
+
+    def paced(self, cycles: int, rate: float) -> None:
+        """Propagation on a quiet fabric: reservations one at a time at ``rate`` per second."""
+        base = {n: len(v) for n, v in self.samples().items()}
+        pc = {n: ArkClient(self.procs.api(n)) for n in self.names}
+        for k in range(cycles):
+            n = self.names[k % len(self.names)]
+            lease = pc[n].reserve(self.remote(n, self.rng), 10**6)
+            time.sleep(1.0 / rate)
+            pc[n].release(lease.flow_id)
+        for c in pc.values():
             c.close()
-    return out
+        time.sleep(0.2)
+        quiet = np.concatenate([np.asarray(v[base[n]:], dtype=float) for n, v in self.samples().items()] or [np.zeros(0)])
+        self.report.update(paced_cycles=cycles, propagation_samples=int(quiet.size),
+                           propagation_ms_p50=_ms_percentile(quiet, 50), propagation_ms_p99=_ms_percentile(quiet, 99))
 
-
-def _tables(procs: AgentProcs, names: list[str]) -> dict[str, set[tuple[int, int]]]:
-    out = {}
-    for n in names:
-        c = ArkClient(procs.api(n), timeout_s=10.0)
-        try:
-            out[n] = {(f[0], f[1]) for f in c.call({"op": "table"})["flows"]}
-        finally:
+    def finish(self, base: dict[str, int]) -> None:
+        """Counters under load, then release the held leases and compare the tables."""
+        st = self.procs.status(self.names, samples=50_000)
+        loaded = np.concatenate([np.asarray(s["propagation_samples"][base.get(n, 0):], dtype=float) for n, s in st.items()])
+        r = self.report
+        r["races"] = int(sum(s["core"]["races_lost"] for s in st.values()))
+        r["invalid_messages"] = int(sum(s["node"]["invalid"] + s["core"]["invalid"] for s in st.values()))
+        for counter in ("gaps", "sync_applied", "digest_mismatches", "unsent"):
+            r[counter] = int(sum(s["node"].get(counter, 0) for s in st.values()))
+        r["propagation_loaded_ms_p50"] = _ms_percentile(loaded, 50)
+        r["propagation_loaded_ms_p99"] = _ms_percentile(loaded, 99)
+        self._stop_renew.set()
+        self._renewer.join()
+        lapsed = 0
+        for c, lease in self.held.values():
+            try:
+                c.release(lease.flow_id)
+            except ArkClientError:
+                lapsed += 1  # its lease ran out: the renewer fell behind
             c.close()
-    return out
+        r["held_leases_lapsed"] = lapsed
+        time.sleep(self.lease_min_s + 0.5)
+        st = self.procs.status(self.names)
+        r["leaked"] = int(sum(s["reservations"] for s in st.values()))
+        r["digests_equal_end"] = len({s["digest"] for s in st.values()}) == 1
+
+    def close(self) -> None:
+        self._stop_renew.set()
+        for c, _ in self.held.values():
+            c.close()
+
+
+class Load:
+    """``flows`` reserve+release cycles from worker threads; optionally kill agents halfway."""
+
+    def __init__(self, run: LoopbackRun, flows: int, victims: list[str], workers: int) -> None:
+        self.run, self.flows, self.victims, self.workers = run, flows, victims, workers
+        self.done = 0
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.kill_at = flows // 2 if victims else None
+        self.kill_event = threading.Event()
+        self.restarted = threading.Event()
+
+    def worker(self, wi: int) -> None:
+        run = self.run
+        mine = [n for i, n in enumerate(run.names) if i % self.workers == wi]
+        clients = {n: ArkClient(run.procs.api(n), timeout_s=10.0) for n in mine}
+        r = random.Random(run.seed * 1000 + wi)
+        try:
+            while True:
+                with self.lock:
+                    if self.done >= self.flows:
+                        return
+                n = r.choice(mine)
+                if n in self.victims and self.kill_event.is_set() and not self.restarted.is_set():
+                    time.sleep(0.01)
+                    continue
+                self._cycle(n, clients, r)
+        finally:
+            for c in clients.values():
+                c.close()
+
+    def _cycle(self, n: str, clients: dict[str, ArkClient], r: random.Random) -> None:
+        c = clients[n]
+        try:
+            lease = c.reserve(self.run.remote(n, r), r.randint(10**6, 10**9), wait_ready_s=30)
+            c.release(lease.flow_id)
+        except (ArkClientError, AgentNotReady) as e:
+            c.close()
+            clients[n] = ArkClient(self.run.procs.api(n), timeout_s=10.0)
+            with self.lock:
+                self.errors.append(f"{n}: {e}")
+            time.sleep(0.05)
+            return
+        with self.lock:
+            self.done += 1
+            if self.kill_at is not None and self.done == self.kill_at:
+                self.kill_event.set()
+
+
+def _kill_and_restart(run: LoopbackRun, load: Load, threads: list[threading.Thread]) -> None:
+    """SIGKILL the victims while each holds a lease; time the clean-up; restart them."""
+    while not load.kill_event.wait(0.05):
+        if not any(t.is_alive() for t in threads):
+            break
+    killed: dict[str, tuple[int, int]] = {}
+    for v in load.victims:
+        c_v, lease = run.held.pop(v)
+        killed[v] = lease.flow_id
+        run.procs.kill(v)
+        c_v.close()
+    t_kill = time.monotonic()
+    survivors = [n for n in run.names if n not in load.victims]
+    rate = run.cluster.fabric.path_rate_bps(0, run.cluster.fabric.n_hosts - 1, 0)
+    lease_period = run.cluster.lease()(HELD_BYTES, rate)
+    cleared_at = None
+    while time.monotonic() - t_kill < 3 * lease_period + 2:
+        try:
+            tables = run.procs.tables(survivors)
+        except ArkClientError:
+            continue
+        if not any(f in t for t in tables.values() for f in killed.values()):
+            cleared_at = time.monotonic() - t_kill
+            break
+        time.sleep(0.05)
+    run.report["dead_reservations_cleared_s"] = None if cleared_at is None else round(cleared_at, 3)
+    run.report["lease_period_s"] = round(lease_period, 3)
+    for v in load.victims:
+        run.procs.start(v)
+    refused, resync_ok = {}, {}
+    for v in load.victims:
+        refused[v], resync_ok[v] = _first_reserve_after_restart(run, v)
+    run.report["restart_refusals_before_ready"] = refused
+    run.report["resync_before_reserve"] = bool(resync_ok) and all(resync_ok.values())
+    load.restarted.set()
+
+
+def _first_reserve_after_restart(run: LoopbackRun, v: str) -> tuple[int, bool]:
+    """A restarted agent must refuse to reserve until it has resynchronised."""
+    refused = 0
+    with ArkClient(run.procs.api(v), timeout_s=10.0) as c:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                dst = next(m for m in run.names if run.leaf[m] != run.leaf[v])
+                lease = c.call({"op": "reserve", "dst": dst, "nbytes": 10**6})["lease"]
+                break
+            except AgentNotReady:
+                refused += 1
+            except ArkClientError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise ArkClientError(f"{v} never became ready")
+            time.sleep(0.01)
+        s = c.status()
+        synced = sum(1 for p in s["peers"].values() if p["synced"])
+        ok = s["node"]["sync_applied"] >= 1 and synced == len(run.names) - 1
+        c.release((lease["flow_id"][0], lease["flow_id"][1]))
+    return refused, ok
 
 
 def run_cluster(
@@ -190,222 +373,49 @@ def run_cluster(
         raise ValueError(f"kill: must be 0..{agents - 1}")
     if flows < 1:
         raise ValueError("flows: must be >= 1")
-    tmp = tempfile.TemporaryDirectory(prefix="ark-cluster-") if workdir is None else None
-    wd = Path(workdir or tmp.name)  # type: ignore[union-attr]
-    (wd / "api").mkdir(parents=True, exist_ok=True)
-    # As many spines as agents: the held leases plus the load leave paths free, so
-    # that requests reserve (and broadcast) instead of falling back to ECMP.
-    cfile, names = write_cluster(wd, agents, policy=policy, lease_min_s=lease_min_s, spines=max(4, agents))
-    from ark.agent import cluster as clmod
-
-    cl = clmod.load(cfile)
-    leaf = {h.name: cl.fabric.hosts[h.index].leaf for h in cl.hosts}
-    procs = AgentProcs(cfile, names, wd)
-    rng = random.Random(seed)
-    report: dict[str, Any] = {"agents": agents, "flows_requested": flows, "killed": kill}
-    try:
-        t0 = time.monotonic()
-        for n in names:
-            procs.start(n)
-        procs.wait_ready(names)
-        report["startup_s"] = round(time.monotonic() - t0, 3)
-
-        # ---- held leases: the tables must agree while they are live
-        held: dict[str, tuple[ArkClient, Any]] = {}
-        for n in names:
-            c = ArkClient(procs.api(n))
-            dst = rng.choice([m for m in names if leaf[m] != leaf[n]])
-            held[n] = (c, c.reserve(dst, HELD_BYTES))
-        stop_renew = threading.Event()
-
-        def renewer() -> None:
-            # The held leases live as long as the run: renew them like an engine would.
-            while not stop_renew.wait(lease_min_s / 4):
-                for c, lease in list(held.values()):
-                    with contextlib.suppress(ArkClientError):
-                        c.renew(lease.flow_id)
-
-        renew_thread = threading.Thread(target=renewer, daemon=True)
-        renew_thread.start()
-        time.sleep(0.3)
-        st = _status(procs, names)
-        live_equal = len({s["digest"] for s in st.values()}) == 1 and all(s["reservations"] == agents for s in st.values())
-
-        # ---- propagation on a quiet fabric: paced reservations, one at a time
-        def all_samples() -> dict[str, list[float]]:
-            return {n: list(v["propagation_samples"]) for n, v in _status(procs, names, samples=50_000).items()}
-
-        base = {n: len(v) for n, v in all_samples().items()}
-        paced = min(paced_cycles, flows)
-        pc = {n: ArkClient(procs.api(n)) for n in names}
-        for k in range(paced):
-            n = names[k % agents]
-            dst = rng.choice([m for m in names if leaf[m] != leaf[n]])
-            lease = pc[n].reserve(dst, 10**6)
-            time.sleep(1.0 / paced_rate)
-            pc[n].release(lease.flow_id)
-        for c in pc.values():
-            c.close()
-        time.sleep(0.2)
-        quiet = np.concatenate(
-            [np.asarray(v[base[n]:], dtype=float) for n, v in all_samples().items()] or [np.zeros(0)]
-        )
-        report["paced_cycles"] = paced
-        report["propagation_samples"] = int(quiet.size)
-        report["propagation_ms_p50"] = round(float(np.percentile(quiet, 50)) * 1e3, 3) if quiet.size else None
-        report["propagation_ms_p99"] = round(float(np.percentile(quiet, 99)) * 1e3, 3) if quiet.size else None
-        base = {n: len(v) for n, v in all_samples().items()}
-
-        # ---- the load
-        victims = rng.sample(names, kill)
-        done = [0]
-        errors: list[str] = []
-        lock = threading.Lock()
-        kill_at = flows // 2 if kill else None
-        killed_flows: dict[str, tuple[int, int]] = {}
-        resync_ok: dict[str, bool] = {}
-        kill_event = threading.Event()
-        restarted = threading.Event()
-        nworkers = workers or min(agents, 8)
-
-        def worker(wi: int) -> None:
-            mine = [n for i, n in enumerate(names) if i % nworkers == wi]
-            clients = {n: ArkClient(procs.api(n), timeout_s=10.0) for n in mine}
-            r = random.Random(seed * 1000 + wi)
-            try:
-                while True:
-                    with lock:
-                        if done[0] >= flows:
-                            return
-                    n = r.choice(mine)
-                    if n in victims and kill_event.is_set() and not restarted.is_set():
-                        time.sleep(0.01)
-                        continue
-                    dst = r.choice([m for m in names if leaf[m] != leaf[n]])
-                    c = clients[n]
-                    try:
-                        lease = c.reserve(dst, r.randint(10**6, 10**9), wait_ready_s=30)
-                        c.release(lease.flow_id)
-                    except (ArkClientError, AgentNotReady) as e:
-                        clients[n].close()
-                        clients[n] = ArkClient(procs.api(n), timeout_s=10.0)
-                        with lock:
-                            errors.append(f"{n}: {e}")
-                        time.sleep(0.05)
-                        continue
-                    with lock:
-                        done[0] += 1
-                        if kill_at is not None and done[0] == kill_at:
-                            kill_event.set()
-            finally:
-                for c in clients.values():
-                    c.close()
-
-        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(nworkers)]
-        t_load = time.monotonic()
-        cpu0 = procs.cpu_s()
-        for t in threads:
-            t.start()
-        if kill:
-            while not kill_event.wait(0.05):
-                if not any(t.is_alive() for t in threads):
-                    break
-            # SIGKILL the victims while each holds a lease (its held one).
-            for v in victims:
-                killed_flows[v] = held[v][1].flow_id
-                c_v, _ = held.pop(v)
-                procs.kill(v)
-                c_v.close()
-            t_kill = time.monotonic()
-            survivors = [n for n in names if n not in victims]
-            lease_period = lease_min_s + 2.0 * HELD_BYTES * 8 / (100e9 * cl.fabric.efficiency)
-            cleared_at = None
-            while time.monotonic() - t_kill < 3 * lease_period + 2:
-                try:
-                    tables = _tables(procs, survivors)
-                except ArkClientError:
-                    continue
-                if not any(f in t for t in tables.values() for f in killed_flows.values()):
-                    cleared_at = time.monotonic() - t_kill
-                    break
-                time.sleep(0.05)
-            report["dead_reservations_cleared_s"] = None if cleared_at is None else round(cleared_at, 3)
-            report["lease_period_s"] = round(lease_period, 3)
-            for v in victims:
-                procs.start(v)
-            # A restarted agent must refuse to reserve until it has resynchronised.
-            refused: dict[str, int] = {}
-            for v in victims:
-                c = ArkClient(procs.api(v), timeout_s=10.0)
-                try:
-                    refused[v] = 0
-                    deadline = time.monotonic() + 30
-                    while True:
-                        try:
-                            lease = c.call({"op": "reserve", "dst": next(m for m in names if leaf[m] != leaf[v]), "nbytes": 10**6})["lease"]
-                            break
-                        except AgentNotReady:
-                            refused[v] += 1
-                        except ArkClientError:
-                            pass  # not listening yet
-                        if time.monotonic() > deadline:
-                            raise ArkClientError(f"{v} never became ready")
-                        time.sleep(0.01)
-                    s = c.status()
-                    synced = sum(1 for p in s["peers"].values() if p["synced"])
-                    resync_ok[v] = s["node"]["sync_applied"] >= 1 and synced == agents - 1
-                    c.release((lease["flow_id"][0], lease["flow_id"][1]))
-                finally:
-                    c.close()
-            report["restart_refusals_before_ready"] = refused
-            restarted.set()
-        for t in threads:
-            t.join()
-        load_s = time.monotonic() - t_load
-        if not kill:  # restarted processes would reset their counters
-            # CPU of all agent processes (main and ZeroMQ threads) per cycle: what caps
-            # the aggregate rate on a small machine.
-            report["agents_cpu_ms_per_cycle"] = round((procs.cpu_s() - cpu0) / max(1, done[0]) * 1e3, 3)
-        report["flows"] = done[0]
-        report["load_s"] = round(load_s, 3)
-        report["cycles_per_s"] = round(done[0] / load_s, 1) if load_s > 0 else 0.0
-        report["client_errors"] = len(errors)
-        if kill:
-            report["resync_before_reserve"] = bool(resync_ok) and all(resync_ok.get(v, False) for v in victims)
-
-        # ---- end: release the held leases, wait one lease period, compare
-        st = _status(procs, names, samples=50_000)
-        loaded = np.concatenate(
-            [np.asarray(s["propagation_samples"][base.get(n, 0):], dtype=float) for n, s in st.items()]
-        )
-        report["races"] = int(sum(s["core"]["races_lost"] for s in st.values()))
-        report["invalid_messages"] = int(sum(s["node"]["invalid"] + s["core"]["invalid"] for s in st.values()))
-        for counter in ("gaps", "sync_applied", "digest_mismatches", "unsent"):
-            report[counter] = int(sum(s["node"].get(counter, 0) for s in st.values()))
-        report["propagation_loaded_ms_p50"] = round(float(np.percentile(loaded, 50)) * 1e3, 3) if loaded.size else None
-        report["propagation_loaded_ms_p99"] = round(float(np.percentile(loaded, 99)) * 1e3, 3) if loaded.size else None
-        stop_renew.set()
-        renew_thread.join()
-        lapsed = 0
-        for c, lease in held.values():
-            try:
-                c.release(lease.flow_id)
-            except ArkClientError:
-                lapsed += 1  # its lease ran out: the renewer fell behind
-            c.close()
-        report["held_leases_lapsed"] = lapsed
-        time.sleep(lease_min_s + 0.5)
-        st = _status(procs, names)
-        report["leaked"] = int(sum(s["reservations"] for s in st.values()))
-        end_equal = len({s["digest"] for s in st.values()}) == 1
-        report["digests_equal"] = bool(live_equal and end_equal)
-        report["digests_equal_live"] = bool(live_equal)
-        report["digests_equal_end"] = bool(end_equal)
-    finally:
-        procs.stop_all()
-        if tmp is not None:
-            tmp.cleanup()
+    with contextlib.ExitStack() as stack:
+        wd = Path(workdir) if workdir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ark-cluster-")))
+        (wd / "api").mkdir(parents=True, exist_ok=True)
+        # As many spines as agents: the held leases plus the load leave paths free, so
+        # that requests reserve (and broadcast) instead of falling back to ECMP.
+        cfile, names = write_cluster(wd, agents, policy=policy, lease_min_s=lease_min_s, spines=max(4, agents))
+        procs = AgentProcs(cfile, names, wd)
+        stack.callback(procs.stop_all)
+        run = LoopbackRun(procs, load_cluster(cfile), seed=seed, lease_min_s=lease_min_s)
+        stack.callback(run.close)
+        run.report.update(agents=agents, flows_requested=flows, killed=kill)
+        run.start()
+        live_equal = run.hold()
+        run.paced(min(paced_cycles, flows), paced_rate)
+        base = {n: len(v) for n, v in run.samples().items()}
+        _drive(run, Load(run, flows, run.rng.sample(names, kill), workers or min(agents, 8)))
+        run.finish(base)
+        report = run.report
+    report["digests_equal_live"] = bool(live_equal)
+    report["digests_equal"] = bool(live_equal and report["digests_equal_end"])
     return report
+
+
+def _drive(run: LoopbackRun, load: Load) -> None:
+    threads = [threading.Thread(target=load.worker, args=(i,), daemon=True) for i in range(load.workers)]
+    t_load = time.monotonic()
+    cpu0 = run.procs.cpu_s()
+    for t in threads:
+        t.start()
+    if load.victims:
+        _kill_and_restart(run, load, threads)
+    for t in threads:
+        t.join()
+    load_s = time.monotonic() - t_load
+    r = run.report
+    if not load.victims:  # restarted processes would reset their counters
+        # CPU of all agent processes (main and ZeroMQ threads) per cycle: what caps
+        # the aggregate rate on a small machine.
+        r["agents_cpu_ms_per_cycle"] = round((run.procs.cpu_s() - cpu0) / max(1, load.done) * 1e3, 3)
+    r["flows"] = load.done
+    r["load_s"] = round(load_s, 3)
+    r["cycles_per_s"] = round(load.done / load_s, 1) if load_s > 0 else 0.0
+    r["client_errors"] = len(load.errors)
 
 
 if __name__ == "__main__":  # pragma: no cover - a manual entry point

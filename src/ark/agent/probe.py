@@ -1,4 +1,4 @@
-"""Learn which spine each source port takes by TTL-limited probes (ARK.md section 8).
+"""Learn which spine each source port takes by TTL-limited probes.
 
 Paris-traceroute style: the whole 5-tuple stays fixed and only the TTL is small, so a
 probe follows exactly the path a real flow with that 5-tuple would take and dies at the
@@ -15,12 +15,14 @@ SYN_SENT on its error queue as it does for UDP.
 from __future__ import annotations
 
 import errno
+import json
 import select
 import socket
 import struct
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -258,7 +260,7 @@ def probe_peers(
     proto: str = "tcp",
 ) -> dict[str, tuple[PathMap, dict[str, float | int]]]:
     """Learn this host's path map towards each peer (default: every host on another leaf)."""
-    fab = cluster.fabric
+    fab, s = cluster.fabric, cluster
     me = cluster.host(host).index
     if peers is None:
         targets = [h.index for h in fab.hosts if fab.n_paths(me, h.index) > 1]
@@ -269,8 +271,8 @@ def probe_peers(
         if j == me:
             raise ProbeError(f"peers: {host} cannot probe itself")
         pm, stats = learn(
-            fab.hosts[j].ip, cluster.dport, routers, src_ip=fab.hosts[me].ip, paths=fab.n_paths(me, j),
-            port_range=cluster.port_range, sample=sample, min_per_path=min_per_path, proto=proto,
+            fab.hosts[j].ip, s.dport, routers, src_ip=fab.hosts[me].ip, paths=fab.n_paths(me, j),
+            port_range=s.source_ports, sample=sample, min_per_path=min_per_path, proto=proto,
             seed=me * 100_003 + j,
         )
         out[fab.hosts[j].name] = (pm, stats)
@@ -279,9 +281,6 @@ def probe_peers(
 
 def load_routers(path: str) -> dict[str, int]:
     """A routers file: JSON object, router (spine) address -> path index."""
-    import json
-    from pathlib import Path
-
     try:
         raw = json.loads(Path(path).read_text())
         if not isinstance(raw, dict):
@@ -291,6 +290,12 @@ def load_routers(path: str) -> dict[str, int]:
         raise ProbeError(f"routers_file: {path} must be a JSON object of address -> path index ({e})") from None
 
 
+def _routers_for(cluster: Any, routers: Mapping[str, int] | None) -> Mapping[str, int]:
+    if cluster.routers_file is None or cluster.pathmap_dir is None:
+        raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
+    return routers if routers is not None else load_routers(cluster.routers_file)
+
+
 def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None,
             routers: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Probe as the cluster file says and write the maps to its pathmap_dir.
@@ -298,21 +303,17 @@ def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None,
     Default peers: those this host already has probed maps for, else every host behind
     another leaf. Returns per peer the probe figures and ports per path.
     """
-    from pathlib import Path
+    routers = _routers_for(cluster, routers)
 
-    if cluster.routers_file is None or cluster.pathmap_dir is None:
-        raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
-    routers = routers if routers is not None else load_routers(cluster.routers_file)
-    d = Path(cluster.pathmap_dir)
     if peers is None:
-        known = [h.name for h in cluster.hosts if h.name != host
-                 and (d / f"{host}__{h.name}__{cluster.dport}.json").exists()]
+        known = [h.name for h in cluster.hosts if h.name != host and cluster.pathmap_file(host, h.name).exists()]
         peers = known or None
     learnt = probe_peers(cluster, host, peers, routers, sample=cluster.probe_sample, proto=cluster.probe_proto)
-    d.mkdir(parents=True, exist_ok=True)
     out: dict[str, dict[str, Any]] = {}
     for peer, (pm, stats) in learnt.items():
-        pm.save(d / f"{host}__{peer}__{cluster.dport}.json")
+        f = cluster.pathmap_file(host, peer)
+        f.parent.mkdir(parents=True, exist_ok=True)
+        pm.save(f)
         out[peer] = {**stats, "ports_per_path": pm.counts()}
     return out
 
@@ -327,22 +328,19 @@ def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0,
     map changed, probes sent).
     """
     import random
-    from pathlib import Path
 
-    if cluster.routers_file is None or cluster.pathmap_dir is None:
-        raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
-    routers = routers if routers is not None else load_routers(cluster.routers_file)
-    fab = cluster.fabric
+    routers = _routers_for(cluster, routers)
+    fab, s = cluster.fabric, cluster
     me = cluster.host(host).index
     rng = random.Random(seed)
     changed, sent = [], 0
     for h in cluster.hosts:
-        f = Path(cluster.pathmap_dir) / f"{host}__{h.name}__{cluster.dport}.json"
+        f = cluster.pathmap_file(host, h.name)
         if h.name == host or not f.exists():
             continue
         pm = PathMap.load(f)
         ports = [p for b in pm.buckets for p in rng.sample(b.tolist(), min(per_path, len(b)))]
-        res = probe_ports(fab.hosts[h.index].ip, cluster.dport, ports, proto=cluster.probe_proto,
+        res = probe_ports(fab.hosts[h.index].ip, s.dport, ports, proto=s.probe_proto,
                           src_ip=fab.hosts[me].ip, retries=0)
         sent += res.sent
         if any(routers.get(off, -1) != pm.path_of(port) for port, off in res.offenders.items()):

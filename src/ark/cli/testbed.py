@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ark.cli import _seeds, err, out
+from ark.cli.common import err, out, seeds_option
 
 TB_HELP_DIR = "State folder (default /run/ark-testbed, or $ARK_TESTBED_DIR)."
 
@@ -32,47 +32,6 @@ def _state(prefix: str, base: str | None) -> Any:
 
 def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and math.isnan(v) else v
-
-
-@click.command("probe")
-@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False), required=True)
-@click.option("--host", required=True, help="This host's name in the cluster file.")
-@click.option("--peers", help="Comma-separated peer names (default: peers already probed, else every host behind another leaf).")
-@click.option("--routers", type=click.Path(dir_okay=False), help="JSON: router (spine) address -> path index (default: the cluster's routers_file).")
-@click.option("--sample", type=click.IntRange(min=0), help="Source ports probed per peer per round; 0: all (default: the cluster's probe_sample).")
-@click.option("--proto", type=click.Choice(["tcp", "udp"]), help="Probe with your flows' protocol: the ECMP hash includes it (default: the cluster's probe_proto).")
-@click.option("--json", "as_json", is_flag=True)
-def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | None, sample: int | None,
-              proto: str | None, as_json: bool) -> None:
-    """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""
-    import dataclasses
-
-    from ark.agent import cluster as clmod
-    from ark.agent.probe import refresh
-
-    c = clmod.load(cluster_path)
-    if c.pathmap_dir is None:
-        raise clmod.ClusterError("cluster.pathmap_dir: required to store probed maps")
-    c.host(host)
-    over: dict[str, Any] = {}
-    if routers is not None:
-        over["routers_file"] = routers
-    if sample is not None:
-        over["probe_sample"] = sample
-    if proto is not None:
-        over["probe_proto"] = proto
-    c = dataclasses.replace(c, **over)
-    names = [p for p in peers.split(",") if p] if peers else None
-    summary = refresh(c, host, names)
-    if as_json:
-        click.echo(json.dumps(summary))
-        return
-    t = Table(title=f"{host}: probed path maps ({c.probe_proto})")
-    for col in ("peer", "probes", "answered", "seconds", "ports per path"):
-        t.add_column(col)
-    for peer, s in summary.items():
-        t.add_row(peer, str(s["probes_sent"]), str(s["answered"]), f"{s['seconds']:.3f}", str(s["ports_per_path"]))
-    out.print(t)
 
 
 @click.group()
@@ -147,12 +106,12 @@ def tb_link(leaf: int, spine: int, state: str, prefix: str, state_dir: str | Non
 @click.option("--json", "as_json", is_flag=True)
 def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Every prefill host probes every decode host; maps are checked against the kernel."""
-    from ark.testbed import run as tr
+    from ark.testbed.probing import probe
 
     st = _state(prefix, state_dir)
     fab = st.spec.fabric()
     pairs = {s: {d for d in fab.role_hosts("decode") if fab.n_paths(s, d) > 1} for s in fab.role_hosts("prefill")}
-    res = tr.probe(st, {s: ds for s, ds in pairs.items() if ds}, sample)
+    res = probe(st, {s: ds for s, ds in pairs.items() if ds}, sample)
     res.pop("per_host")
     if as_json:
         click.echo(json.dumps(_clean(res)))
@@ -178,7 +137,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark.testbed import run as tr
 
-    seed_list = _seeds(seeds) or (0,)
+    seed_list = seeds_option(seeds) or (0,)
     failure = _fail_link(fail_link) if fail_link else None
     st = _state(prefix, state_dir)
     records = []

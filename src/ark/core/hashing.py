@@ -283,7 +283,7 @@ class HashError(ValueError):
     """Unknown hash model or selection."""
 
 
-def get_model(name: str) -> HashModel:
+def hash_model(name: str) -> HashModel:
     try:
         return HASH_MODELS[name]
     except KeyError:

@@ -235,6 +235,10 @@ class Node:
         self._local: dict[FlowId, _Local] = {}
         self._alias: dict[FlowId, FlowId] = {}  # re-pathed flow -> its new reservation
         self.events: deque[Repath] = deque(maxlen=10_000)  # local flows moved by races
+        self._handlers = {
+            K_DATA: self._on_data, K_HELLO: self._on_hello,
+            K_SYNC_REQ: self._on_sync_request, K_SYNC_REP: self._on_sync_reply,
+        }
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, now: float) -> list[Output]:
@@ -253,7 +257,7 @@ class Node:
         if now >= self._next_hello:
             out.extend(self._hello(now))
         for p, st in self.peers.items():
-            if not st.synced and st.sync_sent is not None and now - st.sync_sent >= self.sync_timeout_s:
+            if not st.synced and st.sync_sent is not None and now >= st.sync_sent + self.sync_timeout_s:
                 out.extend(self._request_sync(p, now))
         self._update_ready(now)
         for f in [f for f, lo in self._local.items() if lo.expires <= now]:
@@ -261,6 +265,20 @@ class Node:
             out.extend(self._release(f, now))
         self.events.extend(self.core.tick(now))
         return out
+
+    def next_deadline(self, now: float) -> float:
+        """When :meth:`tick` next has work: a heartbeat, a sync retry, readiness, a local
+        lease running out, or the core's expiry and forgetting. A driver sleeps until then
+        (or until a message arrives) instead of polling."""
+        t = min(self._next_hello, self.core.next_deadline())
+        for st in self.peers.values():
+            if not st.synced and st.sync_sent is not None:
+                t = min(t, st.sync_sent + self.sync_timeout_s)
+        if not self.ready and self._started_at is not None:
+            t = min(t, self._started_at + self.sync_timeout_s)
+        if self._local:
+            t = min(t, min(lo.expires for lo in self._local.values()))
+        return max(t, now) if t != math.inf else t
 
     # ------------------------------------------------------------------ local API
     def reserve(
@@ -355,44 +373,49 @@ class Node:
         except ProtocolError:
             self.counters.invalid += 1
             return []
-        if env.kind not in kinds:
-            self.counters.invalid += 1
-            return []
-        if env.kind in (K_DATA, K_HELLO):
-            return self._published(peer, env, now)
-        return self._point_to_point(peer, env, now)
-
-    def _published(self, peer: int, env: Envelope, now: float) -> list[Output]:
         st = self.peers.get(peer)
-        if st is None or env.sender != peer:
+        if env.kind not in kinds or st is None or env.sender != peer:
             self.counters.invalid += 1
             return []
+        return self._handlers[env.kind](peer, st, env, now)
+
+    def _contact(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output] | None:
+        """Bookkeeping for a broadcast envelope; None when it is from a dead incarnation."""
         if st.incarnation is not None and env.incarnation < st.incarnation:
             self.counters.dropped += 1  # a delayed message from before the peer restarted
-            return []
+            return None
         st.last_heard = now
-        out: list[Output] = []
-        if st.incarnation != env.incarnation:
-            # First contact or a restart: its sequence numbers start over.
-            st.incarnation, st.last_seq, st.have, st.synced = env.incarnation, 0, 0, False
-            st.ahead.clear()
+        if st.incarnation == env.incarnation:
+            return []
+        # First contact or a restart: its sequence numbers start over.
+        st.incarnation, st.last_seq, st.have, st.synced = env.incarnation, 0, 0, False
+        st.ahead.clear()
+        return self._request_sync(peer, now)
+
+    def _on_hello(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
+        out = self._contact(peer, st, env, now)
+        if out is None:
+            return []
+        st.last_seq = max(st.last_seq, env.seq)
+        if env.seq > st.have and st.synced:
+            self.counters.gaps += 1
+            st.synced = False
             out.extend(self._request_sync(peer, now))
-        if env.kind == K_HELLO:
-            st.last_seq = max(st.last_seq, env.seq)
-            if env.seq > st.have and st.synced:
-                self.counters.gaps += 1
-                st.synced = False
-                out.extend(self._request_sync(peer, now))
-            elif (
-                st.synced
-                and env.payload[0] != self.core.state_digest(env.payload[1], env.payload[2])
-                and (st.sync_sent is None or now - st.sync_sent >= self.sync_timeout_s)
-            ):
-                # Same sequence numbers but different message sets (a message lost from
-                # a host that has since restarted): anti-entropy, merge with this peer.
-                self.counters.digest_mismatches += 1
-                out.extend(self._request_sync(peer, now))
-            return out
+        elif (
+            st.synced
+            and env.payload[0] != self.core.state_digest(env.payload[1], env.payload[2])
+            and (st.sync_sent is None or now - st.sync_sent >= self.sync_timeout_s)
+        ):
+            # Same sequence numbers but different message sets (a message lost from
+            # a host that has since restarted): anti-entropy, merge with this peer.
+            self.counters.digest_mismatches += 1
+            out.extend(self._request_sync(peer, now))
+        return out
+
+    def _on_data(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
+        out = self._contact(peer, st, env, now)
+        if out is None:
+            return []
         if env.seq <= st.have or env.seq in st.ahead:
             self.counters.dropped += 1
             return out
@@ -408,34 +431,35 @@ class Node:
             self.counters.gaps += 1
             st.synced = False
             out.extend(self._request_sync(peer, now))
+        self._apply_published(peer, env.payload, now)
+        return out
+
+    def _apply_published(self, peer: int, payload: bytes, now: float) -> None:
         try:
-            msg = decode(env.payload)
+            msg = decode(payload)
         except ProtocolError:
             self.counters.invalid += 1
-            return out
+            return
         if not self._sane(msg):
             self.counters.invalid += 1
-            return out
+            return
         before = self.core.counters.invalid
         self.events.extend(self.core.receive(msg, now, sender=peer))
         if self.core.counters.invalid > before:
             self.counters.invalid += 1
         elif isinstance(msg, Reserve):
             self.propagation_s.append(now - msg.ts)
-        return out
 
-    def _point_to_point(self, peer: int, env: Envelope, now: float) -> list[Output]:
-        st = self.peers.get(peer)
-        if st is None or env.sender != peer:
-            self.counters.invalid += 1
-            return []
+    def _on_sync_request(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
         st.last_heard = now
-        if env.kind == K_SYNC_REQ:
-            self.counters.sync_served += 1
-            snap = [encode(m) for m in self.core.snapshot()]
-            frozen = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items()]
-            rep = encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq, [snap, float(now), frozen])
-            return [Send(peer, rep)]
+        self.counters.sync_served += 1
+        snap = [encode(m) for m in self.core.snapshot()]
+        frozen = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items()]
+        rep = encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq, [snap, float(now), frozen])
+        return [Send(peer, rep)]
+
+    def _on_sync_reply(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
+        st.last_heard = now
         if st.sync_sent is None or (st.incarnation is not None and env.incarnation < st.incarnation):
             self.counters.dropped += 1  # unsolicited or stale reply
             return []
@@ -512,7 +536,7 @@ class Node:
     def _update_ready(self, now: float) -> None:
         if not self.ready and self._started_at is not None:
             waiting = [p for p, st in self.peers.items() if not st.synced]
-            if not waiting or now - self._started_at >= self.sync_timeout_s:
+            if not waiting or now >= self._started_at + self.sync_timeout_s:
                 self.ready = True
 
     def _sane(self, msg: Message) -> bool:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ark.core.hashing import get_model, select_many
+from ark.core.hashing import hash_model, select_many
 from ark.core.topology import Fabric
 
 ROCE_PORT_RANGE = (0xC000, 0xFFFF)  # ports a RoCEv2 GRH flow label can produce
@@ -189,7 +189,7 @@ def compute_buckets(
     proto: int = 17,
 ) -> PathMap:
     """Hash every source port of ``port_range`` and bucket it by next-hop member."""
-    model = get_model(hash_name)
+    model = hash_model(hash_name)
     check_port_range(port_range)
     if paths < 1:
         raise PathMapError(f"paths: must be >= 1, got {paths}")
@@ -242,6 +242,53 @@ def fabric_pathmap(
     )
 
 
+def pathmap_filename(src: str, dst: str, dport: int) -> str:
+    """The file a map for host ``src`` -> host ``dst`` (names) is saved under."""
+    return f"{src}__{dst}__{dport}.json"
+
+
+class PathMapCache:
+    """Path maps per (src, dst, dport), computed or loaded once and kept.
+
+    With ``directory``, a map saved there (``ark pathmap --save`` or learnt by probing)
+    wins over the fabric's hash model; :meth:`clear` makes the next lookup read the
+    files again (after a refresh rewrote them).
+    """
+
+    def __init__(
+        self, fabric: Fabric, port_range: tuple[int, int] = ROCE_PORT_RANGE, directory: str | Path | None = None
+    ) -> None:
+        self.fabric, self.port_range = fabric, port_range
+        self.directory = None if directory is None else Path(directory)
+        self._maps: dict[tuple[int, int, int], PathMap] = {}
+
+    def file_for(self, src: int, dst: int, dport: int) -> Path | None:
+        if self.directory is None:
+            return None
+        hosts = self.fabric.hosts
+        return self.directory / pathmap_filename(hosts[src].name, hosts[dst].name, dport)
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+    def __call__(self, src: int, dst: int, dport: int) -> PathMap:
+        key = (src, dst, dport)
+        m = self._maps.get(key)
+        if m is None:
+            m = self._maps[key] = self._load(src, dst, dport)
+        return m
+
+    def _load(self, src: int, dst: int, dport: int) -> PathMap:
+        path = self.file_for(src, dst, dport)
+        if path is None or not path.is_file():
+            return fabric_pathmap(self.fabric, src, dst, dport, self.port_range)
+        m = PathMap.load(path)
+        want = self.fabric.n_paths(src, dst)
+        if m.paths != want:
+            raise PathMapError(f"path map {path}: {m.paths} paths, the fabric has {want}")
+        return m
+
+
 def switch_path(fabric: Fabric, src: int, dst: int, sport: int, dport: int, proto: int = 17) -> int:
     """The path the simulated switch picks for one packet, hashing its exact key bytes."""
     from ark.core.hashing import select
@@ -250,7 +297,7 @@ def switch_path(fabric: Fabric, src: int, dst: int, sport: int, dport: int, prot
     if n == 1:
         return 0
     sw = fabric.source_switch(src)
-    model = get_model(sw.hash)
+    model = hash_model(sw.hash)
     h = model.hash_one(sw.seed, fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int, sport, dport, proto)
     return select(h, n, sw.selection, model.bits)
 

@@ -56,7 +56,7 @@ import random
 from bisect import bisect_left, insort
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from ark.core.messages import FlowId, Key, Message, Release, Renew, Reserve
 from ark.core.pathmap import PathMap, PortBuckets
@@ -83,6 +83,18 @@ LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seco
 INF = float("inf")
 _NO_END_BUCKET = 2**62
 _BUCKETS_PER_S = 10
+
+
+def deadline_after(t: float, offset: float, *, strict: bool) -> float:
+    """The first float ``d`` with ``d - offset >= t`` (``> t`` when ``strict``).
+
+    ``t + offset`` alone can round so that a tick at it still finds nothing due, and a
+    caller that sleeps until the deadline would wake forever.
+    """
+    d = t + offset
+    while d - offset < t or (strict and d - offset == t):
+        d = math.nextafter(d, INF)
+    return d
 
 
 class CoreError(ValueError):
@@ -248,6 +260,7 @@ class ArkCore:
         self._seq_base = seq_base
         self._lease = lease
         self.expiry_grace_s = expiry_grace_s
+        self.purge_slack_s = retention_s / 10  # forgetting in batches (see next_deadline)
         self._entries: dict[FlowId, _Entry] = {}
         self._keys: list[Key] = []
         self._early_release: dict[FlowId, float] = {}
@@ -260,7 +273,10 @@ class ArkCore:
         # Largest end among entries taken out of the holders index early (released).
         self._max_released = -INF
         self._expired_upto = -INF  # entries ending at or before this hold nothing
-        self._end_heap: list[tuple[float, FlowId]] = []  # for expiry
+        self._end_heap: list[tuple[float, FlowId]] = []  # ends: leaves the live set
+        # Ends that are lease expiries (not releases): the entry still holds its links
+        # until then, so a tick is due exactly then (the rest can wait, see next_deadline).
+        self._expiry_heap: list[tuple[float, FlowId]] = []
         # Entries whose end is after _expired_upto: all a partial recomputation needs
         # to know about the past.
         self._live: set[FlowId] = set()
@@ -269,6 +285,9 @@ class ArkCore:
         self._purge_heap: list[tuple[float, FlowId]] = []  # for forgetting
         self._rates: dict[tuple[int, int], float] = {}
         self._horizon = -INF
+        self._handlers: dict[type, Callable[[Any], list[Repath]]] = {
+            Reserve: self._on_reserve, Release: self._on_release, Renew: self._on_renew,
+        }
 
     # ------------------------------------------------------------------ owner API
     def request(
@@ -291,50 +310,49 @@ class ArkCore:
         buckets = self._bucket(dst, dport)
         stages = self._stage_list(self.host, dst)
         if not stages:  # intra-leaf: nothing to choose, nothing to reserve
-            port = buckets.take(0)
-            self._own[flow] = _Own(flow, dst, dport, 0, port, False)
-            return Decision(
-                flow, dst, dport, 0, port, flow_label_for_sport(port), False, False, False, ()
-            )
+            return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False)
         n = len(stages[0])
-        # A path no known source port reaches (a probed map after a link failure) is not usable.
-        usable = buckets.usable_mask
-        sids = self._stages.pair_sids[(self.host, dst)]
-        free_path = self._lowest_free(sids, n, usable)
+        path, pinned = self._free_path(dst, n, buckets, prefer_port)
         shared = False
-        pinned = None
+        if path is None:
+            self.counters.fallbacks += 1
+            if self.policy == "ark":
+                port = self._random_port(buckets)
+                return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
+            self.counters.shared += 1
+            # A path no known source port reaches (a probed map after a link failure) is not usable.
+            path, shared = self._balance_choice(stages, n, now, buckets.usable_mask), True
+        if pinned is not None:
+            buckets.claim(pinned)
+        port = pinned if pinned is not None else buckets.take(path)
+        return self._reserve(flow, dst, dport, path, port, int(nbytes), float(now), shared)
+
+    def _free_path(
+        self, dst: int, n: int, buckets: PortBuckets, prefer_port: int | None
+    ) -> tuple[int | None, int | None]:
+        """(lowest free usable path, the preferred port when its own path is free)."""
+        sids = self._stages.pair_sids[(self.host, dst)]
+        free_path = self._lowest_free(sids, n, buckets.usable_mask)
         if prefer_port is not None and free_path is not None and prefer_port not in buckets.in_use:
             lo, hi = buckets.map.port_range
             pp = buckets.map.path_of(prefer_port) if lo <= prefer_port <= hi else -1
             if pp >= 0 and self._lowest_free(sids, n, 1 << pp) == pp:  # its path is free
-                free_path, pinned = pp, prefer_port
-        if free_path is not None:
-            path = free_path
-        elif self.policy == "ark":
-            self.counters.fallbacks += 1
-            port = self._random_port(buckets)
-            path = buckets.map.path_of(port)
-            self._own[flow] = _Own(flow, dst, dport, path, port, False)
-            return Decision(
-                flow, dst, dport, path, port, flow_label_for_sport(port), False, False, True, ()
-            )
-        else:
-            self.counters.fallbacks += 1
-            self.counters.shared += 1
-            path = self._balance_choice(stages, n, now, usable)
-            shared = True
-        if pinned is not None:
-            port = pinned
-            buckets.claim(port)
-        else:
-            port = buckets.take(path)
+                return pp, prefer_port
+        return free_path, None
+
+    def _unreserved(self, flow: FlowId, dst: int, dport: int, path: int, port: int, *, fallback: bool) -> Decision:
+        self._own[flow] = _Own(flow, dst, dport, path, port, False)
+        return Decision(flow, dst, dport, path, port, flow_label_for_sport(port),
+                        reserved=False, shared=False, fallback=fallback, messages=())
+
+    def _reserve(
+        self, flow: FlowId, dst: int, dport: int, path: int, port: int, nbytes: int, now: float, shared: bool
+    ) -> Decision:
         rate = self._rates.get((dst, path))
         if rate is None:
             rate = self._rates[(dst, path)] = float(self.routes.path_rate_bps(self.host, dst, path))
-        expires = float(now) + self._lease(int(nbytes), rate) if self._lease else INF
-        msg = Reserve(
-            flow, float(now), self.host, dst, dport, path, port, int(nbytes), float(rate), shared, expires
-        )
+        expires = now + self._lease(nbytes, rate) if self._lease else INF
+        msg = Reserve(flow, now, self.host, dst, dport, path, port, nbytes, rate, shared, expires)
         self._own[flow] = _Own(flow, dst, dport, path, port, True)
         self.counters.reserved += 1
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
@@ -343,7 +361,8 @@ class ArkCore:
         own = self._own[flow]
         return Decision(
             flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
-            own.reserved, shared, shared or not own.reserved, (msg,), events,
+            reserved=own.reserved, shared=shared, fallback=shared or not own.reserved,
+            messages=(msg,), events=events,
         )
 
     def select_path(self, dst: int) -> int | None:
@@ -398,67 +417,73 @@ class ArkCore:
         if sender is not None and msg.flow[0] != sender:
             self.counters.invalid += 1
             return []
-        if isinstance(msg, Reserve):
-            if not self._valid_reserve(msg):
-                self.counters.invalid += 1
-                return []
-            if self._ended_before(msg, self._horizon):
-                self.counters.stale += 1
-                return []
-            old = self._entries.get(msg.flow)
-            if old is not None:
-                if old.msg == msg:
-                    self.counters.duplicates += 1
-                else:
-                    self.counters.invalid += 1
-                return []
-            if msg.flow[0] == self.host and msg.flow not in self._own and msg.flow[1] > self._seq_base:
-                # An echo of a reservation of ours we have already forgotten: ignore.
-                # (Lower seqs belong to a predecessor before a restart: kept, so that
-                # they can be released.)
-                self.counters.stale += 1
-                return []
-            return self._insert(msg)
-        if isinstance(msg, Release):
-            entry = self._entries.get(msg.flow)
-            if entry is None:
-                if msg.ts < self._horizon:
-                    self.counters.stale += 1
-                elif msg.flow in self._early_release and self._early_release[msg.flow] <= msg.ts:
-                    self.counters.duplicates += 1
-                else:
-                    self._early_release[msg.flow] = msg.ts
-                return []
-            if entry.released is not None and entry.released <= msg.ts:
-                # Two RELEASEs for one flow (a predecessor's, after a restart): the
-                # earliest wins on every replica, whatever the arrival order.
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.counters.invalid += 1
+            return []
+        return handler(msg)
+
+    def _on_reserve(self, msg: Reserve) -> list[Repath]:
+        if not self._valid_reserve(msg):
+            self.counters.invalid += 1
+            return []
+        if self._ended_before(msg, self._horizon):
+            self.counters.stale += 1
+            return []
+        old = self._entries.get(msg.flow)
+        if old is not None:
+            if old.msg == msg:
                 self.counters.duplicates += 1
-                return []
-            if msg.ts < entry.msg.ts:
+            else:
                 self.counters.invalid += 1
-                return []
-            return self._apply_release(msg)
-        if isinstance(msg, Renew):
-            entry = self._entries.get(msg.flow)
-            if entry is None:
-                if msg.expires < self._horizon:
-                    self.counters.stale += 1
-                else:
-                    old_r = self._early_renew.get(msg.flow)
-                    if old_r is None or old_r.expires < msg.expires:
-                        self._early_renew[msg.flow] = msg
-                return []
-            if msg.ts < entry.msg.ts or msg.expires < entry.msg.ts:
-                self.counters.invalid += 1
-                return []
-            if msg.expires <= entry.expires:
+            return []
+        if msg.flow[0] == self.host and msg.flow not in self._own and msg.flow[1] > self._seq_base:
+            # An echo of a reservation of ours we have already forgotten: ignore.
+            # (Lower seqs belong to a predecessor before a restart: kept, so that
+            # they can be released.)
+            self.counters.stale += 1
+            return []
+        return self._insert(msg)
+
+    def _on_release(self, msg: Release) -> list[Repath]:
+        entry = self._entries.get(msg.flow)
+        if entry is None:
+            if msg.ts < self._horizon:
+                self.counters.stale += 1
+            elif msg.flow in self._early_release and self._early_release[msg.flow] <= msg.ts:
                 self.counters.duplicates += 1
-                return []
-            # A renewal that arrives after the lease lapsed here still applies: the
-            # table is a function of the message set, whatever the arrival times.
-            return self._apply_renew(entry, msg)
-        self.counters.invalid += 1
-        return []
+            else:
+                self._early_release[msg.flow] = msg.ts
+            return []
+        if entry.released is not None and entry.released <= msg.ts:
+            # Two RELEASEs for one flow (a predecessor's, after a restart): the
+            # earliest wins on every replica, whatever the arrival order.
+            self.counters.duplicates += 1
+            return []
+        if msg.ts < entry.msg.ts:
+            self.counters.invalid += 1
+            return []
+        return self._apply_release(msg)
+
+    def _on_renew(self, msg: Renew) -> list[Repath]:
+        entry = self._entries.get(msg.flow)
+        if entry is None:
+            if msg.expires < self._horizon:
+                self.counters.stale += 1
+            else:
+                old_r = self._early_renew.get(msg.flow)
+                if old_r is None or old_r.expires < msg.expires:
+                    self._early_renew[msg.flow] = msg
+            return []
+        if msg.ts < entry.msg.ts or msg.expires < entry.msg.ts:
+            self.counters.invalid += 1
+            return []
+        if msg.expires <= entry.expires:
+            self.counters.duplicates += 1
+            return []
+        # A renewal that arrives after the lease lapsed here still applies: the
+        # table is a function of the message set, whatever the arrival times.
+        return self._apply_renew(entry, msg)
 
     def tick(self, now: float) -> list[Repath]:
         """Let time pass: expire leases, forget old reservations.
@@ -483,6 +508,8 @@ class ArkCore:
                     self.counters.expired += 1
                     if flow in self._own:
                         events.extend(self._sync_own(flow, race=False))
+            while self._expiry_heap and self._expiry_heap[0][0] <= upto:
+                heapq.heappop(self._expiry_heap)  # handled above through the end heap
         horizon = now - self.retention_s
         if horizon > self._horizon:
             self._horizon = horizon
@@ -509,6 +536,27 @@ class ArkCore:
                 for f in [f for f, t in d.items() if (t if isinstance(t, float) else t.ts) < horizon]:
                     del d[f]
         return events
+
+    def next_deadline(self) -> float:
+        """The earliest instant at which :meth:`tick` has work (``inf``: none).
+
+        A lease that runs out stops holding links ``expiry_grace_s`` after it; a
+        reservation is forgotten once it ended more than ``retention_s`` ago. Forgetting
+        only bounds memory, so it waits ``purge_slack_s`` longer and happens in batches.
+        Heap tops may be stale (an entry renewed or released since); waking for one costs
+        one empty tick, after which the deadline moves on.
+        """
+        t = INF
+        if self._expiry_heap:
+            t = deadline_after(self._expiry_heap[0][0], self.expiry_grace_s, strict=False)
+        if self._end_heap:
+            t = min(t, deadline_after(self._end_heap[0][0], self.expiry_grace_s + self.purge_slack_s, strict=False))
+        if self._purge_heap:
+            t = min(t, deadline_after(self._purge_heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
+        early = [*self._early_release.values(), *(r.ts for r in self._early_renew.values())]
+        if early:
+            t = min(t, deadline_after(min(early), self.retention_s + self.purge_slack_s, strict=True))
+        return t
 
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
         """Assignments that can no longer be recomputed here (see ``_Entry.frozen``)."""
@@ -752,6 +800,8 @@ class ArkCore:
         if end != INF:
             heapq.heappush(self._end_heap, (end, entry.msg.flow))
             heapq.heappush(self._purge_heap, (end, entry.msg.flow))
+            if entry.released is None:
+                heapq.heappush(self._expiry_heap, (end, entry.msg.flow))
 
     def _insert(self, msg: Reserve) -> list[Repath]:
         entry = _Entry(msg, expires=msg.expires)

@@ -193,30 +193,8 @@ def spine_leaf(
     address ``<subnet base> + a*256 + i + 1``. By default prefill GPUs sit on the first
     half of the leaves and decode GPUs on the rest (the paper: leaf 0 / leaf 1).
     """
-    from ark.core.hashing import HASH_MODELS  # local import: hashing does not need topology
-
-    if leaves < 1:
-        raise TopologyError(f"fabric.leaves: must be >= 1, got {leaves}")
-    if spines < 1:
-        raise TopologyError(f"fabric.spines: must be >= 1, got {spines}")
-    if gpus_per_leaf < 1 or gpus_per_leaf > 250:
-        raise TopologyError(f"fabric.gpus_per_leaf: must be 1..250, got {gpus_per_leaf}")
-    if link_gbps <= 0:
-        raise TopologyError(f"fabric.link_gbps: must be > 0, got {link_gbps}")
-    if nic_gbps <= 0:
-        raise TopologyError(f"fabric.nic_gbps: must be > 0, got {nic_gbps}")
-    if hash not in HASH_MODELS:
-        raise TopologyError(f"fabric.hash: must be one of {', '.join(HASH_MODELS)}; got {hash!r}")
-    if selection not in HASH_SELECTIONS:
-        raise TopologyError(
-            f"fabric.selection: must be one of {', '.join(HASH_SELECTIONS)}; got {selection!r}"
-        )
-    if transport not in TRANSPORTS:
-        raise TopologyError(
-            f"fabric.transport: must be one of {', '.join(TRANSPORTS)}; got {transport!r}"
-        )
-    if seed is not None and not 0 <= seed < 2**32:
-        raise TopologyError(f"fabric.seed: must be 0..4294967295, got {seed}")
+    _check_dimensions(leaves, spines, gpus_per_leaf, link_gbps, nic_gbps)
+    _check_hashing(hash, seed, selection, transport)
     if prefill_leaves is None:
         prefill_leaves = tuple(range(max(1, leaves // 2)))
     if decode_leaves is None:
@@ -231,19 +209,7 @@ def spine_leaf(
         raise TopologyError(f"fabric.subnet: not an IPv4 network: {subnet!r}") from e
     if net.num_addresses < leaves * 256:
         raise TopologyError(f"fabric.subnet: {subnet} too small for {leaves} leaves")
-
-    hosts = []
-    for a in range(leaves):
-        for i in range(gpus_per_leaf):
-            idx = a * gpus_per_leaf + i
-            role = (
-                "prefill" if a in prefill_leaves else "decode" if a in decode_leaves else "none"
-            )
-            if a in prefill_leaves and a in decode_leaves:
-                # A leaf in both groups alternates roles so each pool gets GPUs there.
-                role = "prefill" if i % 2 == 0 else "decode"
-            ip = str(net.network_address + a * 256 + i + 1)
-            hosts.append(Host(idx, f"gpu{idx}", ip, a, nic_gbps * 1e9, role, idx))
+    hosts = _hosts(net, leaves, gpus_per_leaf, nic_gbps * 1e9, prefill_leaves, decode_leaves)
     nid = len(hosts)
     leaf_sw = tuple(
         Switch("leaf", a, f"leaf{a}", nid + a, hash, nid + a if seed is None else seed, selection)
@@ -254,22 +220,68 @@ def spine_leaf(
         Switch("spine", k, f"spine{k}", nid + k, hash, nid + k if seed is None else seed, selection)
         for k in range(spines)
     )
-    fab = Fabric(tuple(hosts), leaf_sw, spine_sw, link_gbps * 1e9, transport)
-    links: list[Link] = []
-    for h in hosts:
-        links.append(Link(fab.tx_link(h.index), h.name, f"leaf{h.leaf}", h.nic_bps, "host-up"))
-    for h in hosts:
-        links.append(Link(fab.rx_link(h.index), f"leaf{h.leaf}", h.name, h.nic_bps, "host-down"))
+    fab = Fabric(hosts, leaf_sw, spine_sw, link_gbps * 1e9, transport)
+    return Fabric(fab.hosts, fab.leaves, fab.spines, fab.link_bps, transport, _links(fab))
+
+
+def _check_dimensions(leaves: int, spines: int, gpus_per_leaf: int, link_gbps: float, nic_gbps: float) -> None:
+    if leaves < 1:
+        raise TopologyError(f"fabric.leaves: must be >= 1, got {leaves}")
+    if spines < 1:
+        raise TopologyError(f"fabric.spines: must be >= 1, got {spines}")
+    if gpus_per_leaf < 1 or gpus_per_leaf > 250:
+        raise TopologyError(f"fabric.gpus_per_leaf: must be 1..250, got {gpus_per_leaf}")
+    if link_gbps <= 0:
+        raise TopologyError(f"fabric.link_gbps: must be > 0, got {link_gbps}")
+    if nic_gbps <= 0:
+        raise TopologyError(f"fabric.nic_gbps: must be > 0, got {nic_gbps}")
+
+
+def _check_hashing(hash: str, seed: int | None, selection: str, transport: str) -> None:
+    from ark.core.hashing import HASH_MODELS  # local import: hashing does not need topology
+
+    if hash not in HASH_MODELS:
+        raise TopologyError(f"fabric.hash: must be one of {', '.join(HASH_MODELS)}; got {hash!r}")
+    if selection not in HASH_SELECTIONS:
+        raise TopologyError(f"fabric.selection: must be one of {', '.join(HASH_SELECTIONS)}; got {selection!r}")
+    if transport not in TRANSPORTS:
+        raise TopologyError(f"fabric.transport: must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
+    if seed is not None and not 0 <= seed < 2**32:
+        raise TopologyError(f"fabric.seed: must be 0..4294967295, got {seed}")
+
+
+def _hosts(
+    net: ipaddress.IPv4Network, leaves: int, per_leaf: int, nic_bps: float,
+    prefill_leaves: tuple[int, ...], decode_leaves: tuple[int, ...],
+) -> tuple[Host, ...]:
+    hosts = []
     for a in range(leaves):
-        for k in range(spines):
-            links.append(Link(fab.uplink(a, k), f"leaf{a}", f"spine{k}", link_gbps * 1e9, "uplink"))
-    for k in range(spines):
-        for b in range(leaves):
-            links.append(
-                Link(fab.downlink(k, b), f"spine{k}", f"leaf{b}", link_gbps * 1e9, "downlink")
-            )
+        for i in range(per_leaf):
+            idx = a * per_leaf + i
+            role = "prefill" if a in prefill_leaves else "decode" if a in decode_leaves else "none"
+            if a in prefill_leaves and a in decode_leaves:
+                # A leaf in both groups alternates roles so each pool gets GPUs there.
+                role = "prefill" if i % 2 == 0 else "decode"
+            ip = str(net.network_address + a * 256 + i + 1)
+            hosts.append(Host(idx, f"gpu{idx}", ip, a, nic_bps, role, idx))
+    return tuple(hosts)
+
+
+def _links(fab: Fabric) -> tuple[Link, ...]:
+    """Every directed link, numbered as the module docstring says."""
+    links: list[Link] = []
+    for h in fab.hosts:
+        links.append(Link(fab.tx_link(h.index), h.name, f"leaf{h.leaf}", h.nic_bps, "host-up"))
+    for h in fab.hosts:
+        links.append(Link(fab.rx_link(h.index), f"leaf{h.leaf}", h.name, h.nic_bps, "host-down"))
+    for a in range(fab.n_leaves):
+        for k in range(fab.n_spines):
+            links.append(Link(fab.uplink(a, k), f"leaf{a}", f"spine{k}", fab.link_bps, "uplink"))
+    for k in range(fab.n_spines):
+        for b in range(fab.n_leaves):
+            links.append(Link(fab.downlink(k, b), f"spine{k}", f"leaf{b}", fab.link_bps, "downlink"))
     assert [lk.id for lk in links] == list(range(len(links)))
-    return Fabric(fab.hosts, fab.leaves, fab.spines, fab.link_bps, transport, tuple(links))
+    return tuple(links)
 
 
 PRESETS = {

@@ -9,13 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from ark.core.hashing import get_model
+from ark.core.hashing import hash_model
 from ark.core.messages import Reserve, encode
-from ark.core.pathmap import ROCE_PORT_RANGE, compute_buckets
+from ark.core.pathmap import ROCE_PORT_RANGE, PathMapCache, compute_buckets
 from ark.core.protocol import ArkCore
 from ark.core.topology import spine_leaf
 from ark.sim.config import ExperimentConfig
-from ark.sim.engine import PathMapCache
 
 # The paper's controller costs (Intel i9, one thread), for side-by-side reporting.
 PAPER = {
@@ -61,7 +60,7 @@ def controller(hash_name: str = "murmur3-hpcc", repeat: int = 7) -> dict[str, An
     src, dst = "10.0.0.1", "10.0.1.1"
     pre_full = _best_of(lambda: compute_buckets(hash_name, 17, src, dst, 4791, 4, (0, 0xFFFF)), repeat)
     pre_roce = _best_of(lambda: compute_buckets(hash_name, 17, src, dst, 4791, 4, ROCE_PORT_RANGE), repeat)
-    model = get_model(hash_name)
+    model = hash_model(hash_name)
     ports = np.arange(65536)
     vec = _best_of(lambda: model.hash_ports(17, 0x0A000001, 0x0A000101, 4791, ports), repeat)
     scalar_us = _per_call_us(lambda: model.hash_one(17, 0x0A000001, 0x0A000101, 50000, 4791), 2000)

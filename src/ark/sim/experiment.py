@@ -18,9 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from ark.core.flows import FlowSpec
+from ark.core.pathmap import PathMapCache
 from ark.core.topology import Fabric
 from ark.sim.config import ExperimentConfig
-from ark.sim.engine import FlowSpec, FluidSim, PathMapCache
+from ark.sim.engine import FluidSim
 from ark.sim.serving import Placed
 from ark.sim.workload import Request, ZipfWorkload, load_trace
 
@@ -84,7 +86,8 @@ def place(cfg: ExperimentConfig, fabric: Fabric, qps: float, seed: int) -> list[
 
 
 def offered_load(fabric: Fabric, placed: Sequence[Placed], qps: float) -> float:
-    """Nominal, as ARK.md defines it: bytes offered over the prefill leaves' uplinks."""
+    """Nominal offered load: KV bytes per second that cross leaves, over the prefill leaves'
+    uplink capacity (QPS x mean KV bytes x 8 x cross-leaf share / (link rate x spines x leaves))."""
     mean_bytes = float(np.mean([p.kv_bytes for p in placed]))
     cross = sum(fabric.n_paths(p.prefill_gpu, p.decode_gpu) > 1 for p in placed) / len(placed)
     leaves_up = len({fabric.hosts[p.prefill_gpu].leaf for p in placed})
@@ -109,8 +112,8 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
         control_delay_s=net.control_delay_us * 1e-6,
         control_jitter_s=net.control_jitter_us * 1e-6,
         dport=net.dport,
-        port_range=net.port_range,
-        pathmaps=_pathmaps(fabric, net.port_range),
+        port_range=net.source_ports,
+        pathmaps=_pathmaps(fabric, net.source_ports),
         record_timeline=spec.record_timeline,
     )
     res = sim.run(flows)
@@ -145,7 +148,7 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
 
 def plan(cfg: ExperimentConfig) -> list[RunSpec]:
     """Every run of a sweep; the timeline is recorded at QPS 25 (or the nearest QPS)."""
-    qs = cfg.workload.qps
+    qs = cfg.workload.qps_list
     tq = min(qs, key=lambda q: (abs(q - TIMELINE_QPS), q))
     specs = []
     for q in qs:

@@ -37,7 +37,7 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
-def get_model(name: str) -> ModelSpec:
+def model_spec(name: str) -> ModelSpec:
     try:
         return MODELS[name]
     except KeyError:

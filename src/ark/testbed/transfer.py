@@ -26,7 +26,23 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
+from ark.core.flows import FlowSpec
+
 _HEADER = struct.Struct("!Q")
+
+
+class SendPlan(msgspec.Struct):
+    """One sender's flows and the addresses they go to."""
+
+    flows: list[FlowSpec]
+    names: dict[int, str]  # host index -> cluster name (what the agent is asked for)
+    ips: dict[int, str]  # host index -> data address
+    dport: int
+
+    def dst(self, f: FlowSpec) -> tuple[str, int]:
+        return self.ips[f.dst], self.dport
 _CHUNK = memoryview(bytes(1 << 20))
 
 
@@ -91,13 +107,13 @@ def _connect(src_ip: str, sport: int, dst: tuple[str, int], patience_s: float = 
             time.sleep(0.02)
 
 
-def _segment(src_ip: str, sport: int, f: dict[str, Any], nbytes: int, moved: Callable[[], bool]) -> tuple[int, int]:
+def _segment(src_ip: str, sport: int, dst: tuple[str, int], nbytes: int, moved: Callable[[], bool]) -> tuple[int, int]:
     """Send up to ``nbytes`` on one connection from ``sport``; stop early if ``moved()``.
 
     Returns (the source port used, bytes delivered). Stopping early shuts the write side:
     the receiver reads to EOF, so every byte sent so far still arrives.
     """
-    s = _connect(src_ip, sport, (f["dst_ip"], f["dport"]))
+    s = _connect(src_ip, sport, dst)
     try:
         port = s.getsockname()[1]
         s.sendall(_HEADER.pack(nbytes))
@@ -119,10 +135,10 @@ def _segment(src_ip: str, sport: int, f: dict[str, Any], nbytes: int, moved: Cal
         s.close()
 
 
-def _segments(src_ip: str, f: dict[str, Any], t0: float, port: int, path: int | None, reserved: bool,
-              current: Callable[[], tuple[int, int, bool]] | None) -> list[dict[str, Any]]:
+def _segments(src_ip: str, dst: tuple[str, int], nbytes: int, t0: float, port: int, path: int | None,
+              reserved: bool, current: Callable[[], tuple[int, int, bool]] | None) -> list[dict[str, Any]]:
     """Send the flow's bytes, on a new connection each time ``current()`` names a new port."""
-    left, segs = f["bytes"], []
+    left, segs = nbytes, []
     while left > 0:
         latest = (port, path, reserved)
 
@@ -134,7 +150,7 @@ def _segments(src_ip: str, f: dict[str, Any], t0: float, port: int, path: int | 
             return latest[0] != now_port
 
         t = time.time()
-        used, sent = _segment(src_ip, port, f, left, moved)
+        used, sent = _segment(src_ip, port, dst, left, moved)
         segs.append({"sport": used, "path": path, "reserved": reserved, "start_s": t - t0, "t0": t,
                      "bytes": sent, "t1": time.time()})
         left -= sent
@@ -142,23 +158,24 @@ def _segments(src_ip: str, f: dict[str, Any], t0: float, port: int, path: int | 
     return segs
 
 
-def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[dict[str, Any]]) -> None:
+def _flow(f: FlowSpec, plan: SendPlan, src_ip: str, t0: float, api: str | None, out: list[dict[str, Any]]) -> None:
     from ark.agent.client import ArkClient, ArkClientError
 
-    planned = t0 + f["start_s"]
+    planned = t0 + f.start_s
     delay = planned - time.time()
     if delay > 0:
         time.sleep(delay)
-    rec: dict[str, Any] = {"id": f["id"], "src": f["src"], "dst": f["dst"], "bytes": f["bytes"],
-                           "planned_s": f["start_s"], "sport": None, "path": None, "reserved": False,
+    rec: dict[str, Any] = {"id": f.id, "src": plan.names[f.src], "dst": plan.names[f.dst], "bytes": f.nbytes,
+                           "planned_s": f.start_s, "sport": None, "path": None, "reserved": False,
                            "lease_flow": None, "segments": [], "error": None}
     client = ArkClient(api, timeout_s=5.0) if api else None
+    dst = plan.dst(f)
     try:
         if client is None:  # ECMP: an ephemeral port, never moved
-            segs = _segments(src_ip, f, t0, 0, None, False, None)
+            segs = _segments(src_ip, dst, f.nbytes, t0, 0, None, False, None)
         else:
             t = time.time()
-            with client.lease(f["dst"], f["bytes"], f["dport"]) as ls:
+            with client.lease(plan.names[f.dst], f.nbytes, plan.dport) as ls:
                 rec.update(reserve_s=time.time() - t, path=ls.path, reserved=ls.reserved,
                            lease_flow=list(ls.flow_id))
 
@@ -166,7 +183,7 @@ def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[
                     c = client.current(ls.flow_id)
                     return c.src_port, c.path, c.reserved
 
-                segs = _segments(src_ip, f, t0, ls.src_port, ls.path, ls.reserved, current)
+                segs = _segments(src_ip, dst, f.nbytes, t0, ls.src_port, ls.path, ls.reserved, current)
         rec.update(segments=segs, sport=segs[0]["sport"] if segs else None, fct_s=time.time() - planned)
     except (OSError, ArkClientError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
@@ -176,9 +193,9 @@ def _flow(f: dict[str, Any], src_ip: str, t0: float, api: str | None, out: list[
     out.append(rec)
 
 
-def send(plan: Sequence[dict[str, Any]], src_ip: str, t0: float, api: str | None) -> list[dict[str, Any]]:
+def send(plan: SendPlan, src_ip: str, t0: float, api: str | None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=_flow, args=(f, src_ip, t0, api, out)) for f in plan]
+    threads = [threading.Thread(target=_flow, args=(f, plan, src_ip, t0, api, out)) for f in plan.flows]
     for th in threads:
         th.start()
     for th in threads:
@@ -194,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--ready")
     c = sub.add_parser("send")
-    c.add_argument("--plan", required=True, help="JSON list of flows")
+    c.add_argument("--plan", required=True, help="JSON SendPlan: flows and addresses")
     c.add_argument("--src-ip", required=True)
     c.add_argument("--t0", type=float, required=True, help="wall-clock time of plan offset 0")
     c.add_argument("--api", help="agent API endpoint (ARK); absent: ECMP")
@@ -203,8 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "serve":
         serve(a.bind, a.port, a.ready)
         return 0
-    with open(a.plan) as fp:
-        plan = json.load(fp)
+    with open(a.plan, "rb") as fp:
+        plan = msgspec.json.decode(fp.read(), type=SendPlan)
     res = send(plan, a.src_ip, a.t0, a.api)
     with open(a.out, "w") as fp:
         json.dump(res, fp)

@@ -10,7 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from . import vopr
+from tests import vopr
 
 DEFAULT_SEEDS = int(os.environ.get("ARK_VOPR_SEEDS", "200"))
 SLOW_SEEDS = int(os.environ.get("ARK_VOPR_SLOW_SEEDS", "10000"))

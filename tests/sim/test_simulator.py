@@ -5,8 +5,10 @@ import math
 import numpy as np
 import pytest
 
+from ark.core.flows import FlowSpec
 from ark.core.topology import preset, spine_leaf
-from ark.sim.engine import FlowSpec, FluidSim, SimError, maxmin_rates
+from ark.sim.engine import FluidSim, SimError
+from ark.sim.maxmin import maxmin_rates
 
 
 def test_maxmin_hand_cases() -> None:
@@ -78,7 +80,7 @@ def test_bad_scheme() -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Queueing theory (ARK.md section 9)
+# Queueing theory: M/G/K processor sharing (spray) and M/G/1-PS per path (ECMP)
 # ---------------------------------------------------------------------------------------
 def _erlang_c(k: int, a: float) -> float:
     s = sum(a**i / math.factorial(i) for i in range(k))

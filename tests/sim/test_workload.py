@@ -9,8 +9,8 @@ from ark.sim.workload import (
     VidurZipf,
     WorkloadError,
     ZipfWorkload,
-    get_model,
     load_trace,
+    model_spec,
     split_tokens,
 )
 
@@ -82,7 +82,7 @@ def test_latency_presets() -> None:
     with pytest.raises(WorkloadError, match="serving.gpu"):
         latency_model("llama-3-8b", "tpu")
     with pytest.raises(WorkloadError, match="workload.model"):
-        get_model("gpt-5")
+        model_spec("gpt-5")
 
 
 def test_serving_paper_and_queued_modes() -> None:

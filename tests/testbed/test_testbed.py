@@ -168,7 +168,7 @@ def test_up_builds_what_the_layout_says(bed):
 @root
 @needs_ns
 def test_probes_agree_with_the_kernel_and_protocol_matters(bed):
-    from ark.testbed.fabric import KernelRoutes
+    from ark.testbed.kernel import KernelRoutes
 
     st, _ = bed
     lay = st.layout
@@ -198,7 +198,7 @@ def test_probes_agree_with_the_kernel_and_protocol_matters(bed):
 @root
 @needs_ns
 def test_policy_1_follows_the_socket_hash_not_the_5tuple(bed):
-    from ark.testbed.fabric import KernelRoutes
+    from ark.testbed.kernel import KernelRoutes
 
     st, _ = bed
     lay = st.layout
@@ -224,12 +224,12 @@ def test_link_down_rehashes_and_reprobing_follows(bed):
     from ark.agent import cluster as clmod
     from ark.agent.probe import check
     from ark.testbed import fabric as tb
-    from ark.testbed import run as tr
+    from ark.testbed import plan, probing
 
     st, _ = bed
     pairs = {0: {2, 3}, 1: {2, 3}}
-    cfile = tr.cluster_file(st, "ark", 2.0, 64)
-    tr.probe(st, pairs, 64, cfile)
+    cfile = plan.cluster_file(st, "ark", 2.0, 64)
+    probing.probe(st, pairs, 64, cfile)
     cl = clmod.load(cfile)
     host0 = st.layout.host_ns(0)
     with netns.inside(host0):  # where gpu0's agent runs its checks
@@ -239,14 +239,14 @@ def test_link_down_rehashes_and_reprobing_follows(bed):
         with netns.inside(host0):
             changed, _ = check(cl, "gpu0")
         assert changed == ["gpu2", "gpu3"]  # the leaf re-hashed: the periodic check sees it
-        info = tr.probe(st, pairs, 64)
+        info = probing.probe(st, pairs, 64)
         assert info["probe_agreement_fraction"] >= 0.999
         pm = PathMap.load(st.dir / "maps" / "gpu0__gpu2__5201.json")
         assert pm.counts()[1] == 0 and min(pm.counts()[k] for k in (0, 2, 3)) >= 4
         assert State.load(st.dir).down_links == [(0, 1)]
     finally:
         tb.set_link(st, 0, 1, True)
-    assert tr.probe(st, pairs, 64)["probe_agreement_fraction"] >= 0.999
+    assert probing.probe(st, pairs, 64)["probe_agreement_fraction"] >= 0.999
     assert PathMap.load(st.dir / "maps" / "gpu0__gpu2__5201.json").counts()[1] > 0
 
 

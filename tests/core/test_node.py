@@ -16,9 +16,9 @@ from ark.core.node import (
     decode_envelope,
     encode_envelope,
 )
+from ark.core.pathmap import PathMapCache
 from ark.core.protocol import CoreError
 from ark.core.topology import preset
-from ark.sim.engine import PathMapCache
 
 FAB = preset("paper")
 MAPS = PathMapCache(FAB)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from crc import Calculator, Configuration
 
-from ark.core.hashing import HASH_MODELS, HashError, get_model, select, select_many
+from ark.core.hashing import HASH_MODELS, HashError, hash_model, select, select_many
 
 RNG = random.Random(1234)
 KEYS = [
@@ -50,14 +50,14 @@ def reference(name: str, seed: int, s: int, d: int, sport: int, dport: int) -> i
 
 @pytest.mark.parametrize("name", list(HASH_MODELS))
 def test_scalar_matches_reference(name: str) -> None:
-    m = get_model(name)
+    m = hash_model(name)
     for seed, s, d, sport, dport in KEYS:
         assert m.hash_one(seed, s, d, sport, dport) == reference(name, seed, s, d, sport, dport)
 
 
 @pytest.mark.parametrize("name", list(HASH_MODELS))
 def test_vectorised_matches_reference_for_every_port(name: str) -> None:
-    m = get_model(name)
+    m = hash_model(name)
     ports = np.arange(65536)
     for seed, s, d, _, dport in KEYS[:3]:
         vec = m.hash_ports(seed, s, d, dport, ports)
@@ -93,4 +93,4 @@ def test_selection_modulo_and_threshold() -> None:
 
 def test_unknown_model_error_names_choices() -> None:
     with pytest.raises(HashError, match="hash: must be one of murmur3-hpcc"):
-        get_model("md5")
+        hash_model("md5")

@@ -8,11 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ark.core.messages import Release, Reserve
+from ark.core.pathmap import PathMapCache
 from ark.core.protocol import ArkCore, CoreError
 from ark.core.topology import preset, spine_leaf
-from ark.sim.engine import PathMapCache
-
-from .harness import Cluster
+from tests.harness import Cluster
 
 PAPER = preset("paper")
 # Three busy leaves plus a fourth whose hosts never send: host REF is the reference

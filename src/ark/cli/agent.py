@@ -1,0 +1,158 @@
+"""Agent commands: ``ark agent``, ``keygen``, ``status``, ``ports`` and ``cluster``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ark.cli.common import out
+
+
+def _cluster(path: str) -> Any:
+    from ark.agent import cluster as clmod
+
+    return clmod.load(path)
+
+
+@click.command()
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML.")
+@click.option("--host", required=True, help="This host's name in the cluster file.")
+@click.option("--secret-key", type=click.Path(dir_okay=False), help="CURVE secret key file (default: from the cluster file).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+def agent(cluster_path: str, host: str, secret_key: str | None, log_level: str) -> None:
+    """Run this host's ARK agent (JSON logs on stderr)."""
+    from ark.agent.daemon import run_agent
+
+    run_agent(_cluster(cluster_path), host, secret_key, log_level)
+
+
+@click.command()
+@click.option("--out", "out_dir", default="keys", show_default=True, help="Folder for the key files.")
+@click.option("--name", required=True, help="Key name (usually the host name).")
+def keygen(out_dir: str, name: str) -> None:
+    """Write a CURVE key pair: NAME.key (public) and NAME.key_secret."""
+    from ark.agent.keys import create_keypair
+
+    public, sec_file = create_keypair(out_dir, name)
+    out.print(f"public_key = \"{public}\"  (secret: {sec_file})", highlight=False)
+
+
+def _client_for(cluster_path: str, host: str) -> Any:
+    from ark.agent.client import ArkClient
+
+    return ArkClient(_cluster(cluster_path).host(host).api, timeout_s=2.0)
+
+
+@click.command()
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--host", required=True)
+@click.option("--json", "as_json", is_flag=True)
+def status(cluster_path: str, host: str, as_json: bool) -> None:
+    """This host's view: peers up or down, reserved links, counters."""
+    from ark.agent.client import ArkClientError
+
+    with _client_for(cluster_path, host) as c:
+        try:
+            st = c.status()
+        except ArkClientError as e:
+            raise click.ClickException(f"agent {host}: {e}") from None
+    if as_json:
+        click.echo(json.dumps(st, indent=1))
+        return
+    out.print(f"[bold]{st['name']}[/] (id {st['host']}, incarnation {st['incarnation']}): "
+              f"{'ready' if st['ready'] else 'resynchronising'}; {st['reservations']} reservations, "
+              f"{len(st['reserved_links'])} reserved links, {st['local_flows']} local flows, digest {st['digest']}")
+    t = Table(title="peers")
+    for col in ("peer", "up", "synced", "last heard (s ago)", "last seq"):
+        t.add_column(col)
+    for name, p in st["peers"].items():
+        t.add_row(name, "up" if p["up"] else "[red]down[/]", str(p["synced"]), str(p["last_heard_s_ago"]), str(p["last_seq"]))
+    out.print(t)
+    t = Table(title="counters")
+    t.add_column("counter")
+    t.add_column("value", justify="right")
+    for k, v in {**st["core"], **st["node"]}.items():
+        t.add_row(k, str(v))
+    out.print(t)
+
+
+@click.command()
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False))
+@click.option("--host", required=True, help="This host.")
+@click.option("--peer", required=True, help="Destination host.")
+@click.option("--dport", type=click.IntRange(0, 65535), default=None, help="Destination port (default: the cluster's).")
+def ports(cluster_path: str, host: str, peer: str, dport: int | None) -> None:
+    """A static port list (one source port per path), for MC_MLX5_QP_UDP_SPORTS-style settings."""
+    cl = _cluster(cluster_path)
+    me, other = cl.host(host), cl.host(peer)
+    pm = cl.pathmaps()(me.index, other.index, cl.dport if dport is None else dport)
+    click.echo(",".join(str(p) for p in pm.static_ports() if p >= 0))
+
+
+@click.command("cluster")
+@click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)
+@click.option("--flows", type=click.IntRange(min=1), default=5000, show_default=True, help="Reserve+release cycles.")
+@click.option("--kill", type=click.IntRange(min=0), default=0, show_default=True, help="Agents to SIGKILL halfway and restart.")
+@click.option("--lease", "lease_min_s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Minimum lease (s).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, as_json: bool) -> None:
+    """Start N real agents on loopback, drive reserve/release cycles, report."""
+    from ark.agent.loopback import run_cluster
+
+    if kill >= agents:
+        raise click.BadParameter(f"must be below --agents ({agents})", param_hint="--kill")
+    res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    t = Table(title=f"{agents} agents on loopback, {flows} reserve+release cycles, {kill} killed")
+    t.add_column("measure")
+    t.add_column("value", justify="right")
+    for k, v in res.items():
+        t.add_row(k, str(v))
+    out.print(t)
+
+
+@click.command("probe")
+@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False), required=True)
+@click.option("--host", required=True, help="This host's name in the cluster file.")
+@click.option("--peers", help="Comma-separated peer names (default: peers already probed, else every host behind another leaf).")
+@click.option("--routers", type=click.Path(dir_okay=False), help="JSON: router (spine) address -> path index (default: the cluster's routers_file).")
+@click.option("--sample", type=click.IntRange(min=0), help="Source ports probed per peer per round; 0: all (default: the cluster's probe_sample).")
+@click.option("--proto", type=click.Choice(["tcp", "udp"]), help="Probe with your flows' protocol: the ECMP hash includes it (default: the cluster's probe_proto).")
+@click.option("--json", "as_json", is_flag=True)
+def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | None, sample: int | None,
+              proto: str | None, as_json: bool) -> None:
+    """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""
+    import msgspec
+
+    from ark.agent import cluster as clmod
+    from ark.agent.probe import refresh
+
+    c = clmod.load(cluster_path)
+    if c.pathmap_dir is None:
+        raise clmod.ClusterError("cluster.pathmap_dir: required to store probed maps")
+    c.host(host)
+    over: dict[str, Any] = {}
+    if routers is not None:
+        over["routers_file"] = routers
+    if sample is not None:
+        over["probe_sample"] = sample
+    if proto is not None:
+        over["probe_proto"] = proto
+    c = msgspec.structs.replace(c, **over)
+    names = [p for p in peers.split(",") if p] if peers else None
+    summary = refresh(c, host, names)
+    if as_json:
+        click.echo(json.dumps(summary))
+        return
+    t = Table(title=f"{host}: probed path maps ({c.probe_proto})")
+    for col in ("peer", "probes", "answered", "seconds", "ports per path"):
+        t.add_column(col)
+    for peer, s in summary.items():
+        t.add_row(peer, str(s["probes_sent"]), str(s["answered"]), f"{s['seconds']:.3f}", str(s["ports_per_path"]))
+    out.print(t)

@@ -1,0 +1,65 @@
+"""``ark bench ...``: benchmarks that print figures (and JSON with --json)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.table import Table
+
+from ark.cli.common import jobs_default, out, qps_list, seeds_option
+from ark.core.hashing import HASH_MODELS
+from ark.sim import config as cfgmod
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks that print figures (and JSON with --json)."""
+
+
+@bench.command("controller")
+@click.option("--hash", "hash_name", type=click.Choice(list(HASH_MODELS)), default="murmur3-hpcc", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_controller(hash_name: str, as_json: bool) -> None:
+    """Precompute, hashing, path selection and reserve-decision costs vs the paper."""
+    from ark.sim.bench import controller
+
+    res = controller(hash_name)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    p = res["paper"]
+    t = Table(title=f"controller costs (CPython, one thread, hash {hash_name})")
+    for c in ("measure", "ARK (here)", "paper", "target"):
+        t.add_column(c, justify="right" if c != "measure" else "left")
+    t.add_row("precompute 65,536 ports / peer", f"{res['precompute_ms_per_peer']:.2f} ms", f"{p['precompute_ms_per_peer']:.0f} ms", "<= 5 ms")
+    t.add_row("precompute 16,384 ports / peer", f"{res['precompute_ms_per_peer_16384']:.2f} ms", "—", "")
+    t.add_row("hash per port (vectorised)", f"{res['hash_ns_per_port']:.1f} ns", f"{p['hash_ns_per_port']:.0f} ns", "")
+    t.add_row("hash one key (scalar)", f"{res['hash_one_us']:.2f} us", "4.10 us", "")
+    t.add_row("path selection K=4", f"{res['select_us_k4']:.2f} us", f"{p['select_us_k4']} us", "")
+    t.add_row("path selection K=1000", f"{res['select_us_k1000']:.2f} us", f"{p['select_us_k1000']:.0f} us", "<= 5 us")
+    t.add_row("reserve decision p50", f"{res['decision_us_p50']:.2f} us", "4.97 us", "<= 10 us")
+    t.add_row("reserve decision p99", f"{res['decision_us_p99']:.2f} us", "—", "")
+    out.print(t)
+
+
+@bench.command("reproduce")
+@click.option("--qps", "qps", help="Comma-separated loads (default: the paper's 7).")
+@click.option("--requests", type=click.IntRange(min=1))
+@click.option("--seeds")
+@click.option("--jobs", type=click.IntRange(min=1), default=None)
+@click.option("--json", "as_json", is_flag=True)
+def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jobs: int | None, as_json: bool) -> None:
+    """Wall time and simulator events/s of the default `ark reproduce` sweep (no files)."""
+    from ark.sim.bench import reproduce as bench_rep
+
+    cfg = cfgmod.default().with_overrides(qps=qps_list(qps), requests=requests, seeds=seeds_option(seeds))
+    res = bench_rep(cfg, jobs or jobs_default())
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    out.print(
+        f"{res['runs']} runs x {res['requests_per_run']} requests on {res['jobs']} workers: "
+        f"{res['wall_s']:.2f} s wall, {res['events']} events, {res['events_per_s']:.0f} events/s "
+        f"(target: <= 20 s for the default sweep on 2 cores)"
+    )

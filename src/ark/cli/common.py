@@ -1,0 +1,66 @@
+"""What every command shares: consoles, option parsing with one-line errors, configs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+from rich.console import Console
+
+from ark.sim import config as cfgmod
+from ark.sim.config import ConfigError, ExperimentConfig
+from ark.sim.engine import SCHEMES
+
+# Piped output would otherwise wrap at 80 columns and truncate the tables.
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+
+def qps_list(text: str | None) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers > 0, got {text!r}", param_hint="--qps") from None
+    if not vals or any(not v > 0 for v in vals):
+        raise click.BadParameter(f"expected comma-separated numbers > 0, got {text!r}", param_hint="--qps")
+    return vals
+
+
+def schemes_option(text: str | None) -> tuple[str, ...] | None:
+    if text is None:
+        return None
+    vals = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [v for v in vals if v not in SCHEMES]
+    if bad or not vals:
+        raise click.BadParameter(
+            f"each must be one of {', '.join(SCHEMES)}; got {text!r}", param_hint="--schemes"
+        )
+    return vals
+
+
+def seeds_option(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        if "," in text:
+            return cfgmod.parse_seeds([int(x) for x in text.split(",") if x.strip()], "--seeds")
+        return cfgmod.parse_seeds(int(text), "--seeds")
+    except ValueError as e:
+        msg = str(e) if isinstance(e, ConfigError) else f"expected a count >= 1 or a list like 0,1,2; got {text!r}"
+        raise click.BadParameter(msg.removeprefix("--seeds: "), param_hint="--seeds") from None
+
+
+def load_config(path: str | None) -> ExperimentConfig:
+    return cfgmod.load(path) if path else cfgmod.default()
+
+
+# ---------------------------------------------------------------------------------------
+# rendering
+# ---------------------------------------------------------------------------------------
+def jobs_default() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
+
+

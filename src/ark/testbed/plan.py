@@ -1,0 +1,74 @@
+"""What a testbed run sends and how its agents are configured.
+
+The flows are the simulator's (same workload generator, placement and seeds, embedded
+default config) with KV bytes multiplied by the testbed's scale; the cluster file puts
+every host's agent on the management network.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ark.agent.cluster import ClusterFile, ClusterSettings, HostTable
+from ark.agent.keys import create_keypair, public_key
+from ark.core.fabric_config import FabricConfig
+from ark.core.flows import FlowSpec
+from ark.core.pathmap import pathmap_filename
+from ark.testbed.fabric import State
+
+PROBE_CHECK_S = 0.5  # agents re-probe a few ports this often and refresh on a re-hash
+Pairs = dict[int, set[int]]  # source host -> destination hosts behind other leaves
+
+
+def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[FlowSpec], float]:
+    """KV flows of the simulator's workload, scaled; and the nominal offered load."""
+    from ark.sim.config import default
+    from ark.sim.experiment import offered_load, place
+
+    cfg = default().with_overrides(requests=requests)
+    fab = st.spec.fabric()
+    placed = place(cfg, fab, qps, seed)
+    t_first = min(p.kv_start_s for p in placed)
+    flows = [FlowSpec(i, p.prefill_gpu, p.decode_gpu, max(1, round(p.kv_bytes * st.spec.scale)),
+                      round(p.kv_start_s - t_first, 6)) for i, p in enumerate(placed)]
+    return flows, offered_load(fab, placed, qps)
+
+
+def cross_leaf_pairs(st: State, flows: list[FlowSpec]) -> Pairs:
+    lay = st.layout
+    pairs: Pairs = {}
+    for f in flows:
+        if lay.leaf_of(f.src) != lay.leaf_of(f.dst):
+            pairs.setdefault(f.src, set()).add(f.dst)
+    return pairs
+
+
+def map_file(st: State, src: int, dst: int) -> Path:
+    """Where host ``src``'s probed map towards ``dst`` lives (the cluster's pathmap_dir)."""
+    return st.dir / "maps" / pathmap_filename(f"gpu{src}", f"gpu{dst}", st.spec.dport)
+
+
+def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) -> Path:
+    """Keys (once) and a cluster file whose agents talk over the management network."""
+    spec, lay = st.spec, st.layout
+    keys = st.dir / "keys"
+    (st.dir / "maps").mkdir(parents=True, exist_ok=True)
+    (st.dir / "api").mkdir(parents=True, exist_ok=True)
+    hosts = []
+    for i in range(spec.leaves * spec.gpus_per_leaf):
+        name = f"gpu{i}"
+        secret = keys / f"{name}.key_secret"
+        public = public_key(secret) if secret.exists() else create_keypair(keys, name)[0]
+        hosts.append(HostTable(name=name, control=lay.control(i), api=f"ipc://{st.dir}/api/{name}.sock",
+                               public_key=public, secret_key_file=f"keys/{name}.key_secret"))
+    settings = ClusterSettings(
+        policy=policy, dport=spec.dport, port_range=f"{spec.port_range[0]}-{spec.port_range[1]}",
+        lease_min_s=lease_min_s, heartbeat_s=0.5, peer_timeout_s=2.0, sync_timeout_s=1.0, pathmap_dir="maps",
+        routers_file="routers.json", probe_proto="tcp", probe_sample=sample, probe_check_s=PROBE_CHECK_S,
+    )
+    fabric = FabricConfig(leaves=spec.leaves, spines=spec.spines, gpus_per_leaf=spec.gpus_per_leaf,
+                          link_gbps=spec.link_gbps * spec.scale, nic_gbps=spec.nic_gbps * spec.scale,
+                          transport="tcp-1500")
+    (st.dir / "routers.json").write_text(json.dumps(lay.routers()))
+    return ClusterFile(cluster=settings, fabric=fabric, hosts=hosts).save(st.dir / f"cluster-{policy}.toml")

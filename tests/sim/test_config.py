@@ -1,0 +1,55 @@
+"""Experiment files: defaults, normalisation, overrides, and what a round trip keeps."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from ark.sim import config
+from ark.sim.config import ConfigError, ExperimentConfig, from_dict
+
+
+def test_an_empty_file_is_the_embedded_default() -> None:
+    assert from_dict({}) == config.default() == ExperimentConfig()
+    cfg = config.default()
+    assert cfg.workload.qps == (1.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0) and cfg.seeds == (0, 1, 2)
+    assert cfg.network.source_ports == (49152, 65535) and cfg.schemes == ("ecmp", "ark", "ark-balance", "spray")
+
+
+def test_scalars_and_strings_are_normalised() -> None:
+    cfg = from_dict({"workload": {"qps": 12}, "experiment": {"seeds": 2}, "network": {"port_range": "100-200"}})
+    assert cfg.workload.qps == (12.0,) and cfg.seeds == (0, 1) and cfg.network.port_range == (100, 200)
+
+
+def test_a_config_survives_a_round_trip_through_builtins() -> None:
+    cfg = from_dict({"fabric": {"spines": 8, "hash": "crc32"}, "workload": {"qps": [3, 4]},
+                     "experiment": {"seeds": [4, 7], "schemes": ["ecmp", "ark"]}})
+    assert from_dict(msgspec.to_builtins(cfg)) == cfg
+
+
+def test_overrides_are_checked_like_a_file() -> None:
+    cfg = config.default().with_overrides(qps=(7.0,), requests=10, seeds=(3,), schemes=("ark",))
+    assert (cfg.workload.qps, cfg.workload.requests, cfg.seeds, cfg.schemes) == ((7.0,), 10, (3,), ("ark",))
+    with pytest.raises(ConfigError, match=r"^workload.requests: must be >= 1; got 0$"):
+        config.default().with_overrides(requests=0)
+    with pytest.raises(ConfigError, match=r"^experiment.schemes: must be one of ecmp, ark, ark-balance, spray; got 'x'$"):
+        config.default().with_overrides(schemes=("x",))
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"workload": {"theta": 1.5}}, "workload.theta: must be in (0, 1); got 1.5"),
+        ({"workload": {"min_tokens": 10, "max_tokens": 5}}, "workload.min_tokens: must be >= 1 and <= workload.max_tokens"),
+        ({"workload": {"qps": []}}, "workload.qps: must be one or more numbers > 0; got []"),
+        ({"serving": {"gpu": "tpu"}}, "serving.gpu: must be one of a100, h100; got 'tpu'"),
+        ({"serving": {"tp": 0}}, "serving.tp: must be >= 1; got 0"),
+        ({"network": {"dport": 70000}}, "network.dport: must be <= 65535; got 70000"),
+        ({"network": {"control_delay_us": -1}}, "network.control_delay_us: must be >= 0; got -1"),
+        ({"experiment": {"seeds": [1, -1]}}, "experiment.seeds: must be a count >= 1 or a list of seeds >= 0; got (1, -1)"),
+    ],
+)
+def test_bad_values_name_the_field(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_dict(raw)
+    assert str(e.value) == message
