@@ -104,6 +104,8 @@ class Agent:
         self.refresher = PathRefresher(cluster, self.me.name)
         self._stop = False
         self._up: dict[int, bool] = {}
+        self._timers_at = 0.0
+        self._was_ready = False
         self.dropped_out = 0
         self._key_host = {h.public_key.encode(): h.index for h in cluster.hosts}
         self.registry: Any = None
@@ -179,40 +181,45 @@ class Agent:
         signal.signal(signal.SIGINT, self.stop)
         log.info(**_ev("agent_started", host=self.me.name, id=self.me.index, incarnation=self.node.incarnation,
                        peers=len(self.peers), control=self.me.control, api=self.me.api))
-        self.emit(self.node.start(time.time()))
-        was_ready = False
+        now = time.time()
+        self.emit(self.node.start(now))
+        self._timers_at = now
         try:
             while not self._stop:
                 self._wait_and_drain()
                 now = time.time()
-                if now >= self.node.next_deadline(now):
-                    self.emit(self.node.tick(now))
-                self._watch_peers(now)
-                for rid, res in self.refresher.results():
-                    self.finish_refresh(rid, res)
-                if self.cluster.probe_check_s:
-                    self.refresher.maybe_check(now)
-                if self.node.ready and not was_ready:
-                    was_ready = True
-                    log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
+                if now >= self._timers_at:
+                    self._timers(now)
                 self._log_events()
         finally:
             log.info(**_ev("agent_stopped", host=self.me.name))
             self._close()
 
-    def _next_wake(self, now: float) -> float:
-        t = min(self.node.next_deadline(now), self.refresher.next_check, self._peer_deadline())
-        return t
+    def _timers(self, now: float) -> None:
+        """Whatever is due: the node's tick, peer liveness, the periodic path check, readiness."""
+        if now >= self.node.next_deadline(now):
+            self.emit(self.node.tick(now))
+        self._watch_peers(now)
+        if self.cluster.probe_check_s:
+            self.refresher.maybe_check(now)
+        if self.node.ready and not self._was_ready:
+            self._was_ready = True
+            log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
+        self._timers_at = min(self.node.next_deadline(now), self.refresher.next_check, self._peer_deadline())
 
     def _wait_and_drain(self) -> None:
         # A signal interrupts the poll; 1 s at most keeps a stop request prompt regardless.
-        timeout = min(1.0, max(0.0, self._next_wake(time.time()) - time.time()))
+        timeout = min(1.0, max(0.0, self._timers_at - time.time()))
         events = dict(self.poller.poll(int(timeout * 1000) + 1))
-        for sock in events:
-            if sock is self.inbox:
-                self._drain_peers()
-            elif sock is self.api_sock:
-                self._drain_api()
+        if self.inbox in events:
+            self._drain_peers()
+        if self.api_sock in events:
+            self._drain_api()
+        if self.refresher.wake_r in events:
+            for rid, res in self.refresher.results():
+                self.finish_refresh(rid, res)
+        if events:  # what arrived may have brought a deadline forward (a sync sent, a lease)
+            self._timers_at = min(self._timers_at, self.node.next_deadline(time.time()))
 
     def _drain_peers(self, limit: int = 1024) -> None:
         sock = self.inbox
@@ -229,6 +236,8 @@ class Agent:
                 self.node.counters.invalid += 1
                 continue
             self.emit(self.node.on_message(peer, frames[1].bytes, time.time()))
+            if not self._up.get(peer):
+                self._timers_at = 0.0  # a peer may have come up: log it now
 
     def _drain_api(self, limit: int = 1024) -> None:
         sock = self.api_sock

@@ -234,6 +234,7 @@ class Node:
         self._next_hello = -math.inf
         self._local: dict[FlowId, _Local] = {}
         self._alias: dict[FlowId, FlowId] = {}  # re-pathed flow -> its new reservation
+        self._syncing: set[int] = set()  # peers a sync request is out to (their retry timers)
         self.events: deque[Repath] = deque(maxlen=10_000)  # local flows moved by races
         self._handlers = {
             K_DATA: self._on_data, K_HELLO: self._on_hello,
@@ -271,7 +272,8 @@ class Node:
         lease running out, or the core's expiry and forgetting. A driver sleeps until then
         (or until a message arrives) instead of polling."""
         t = min(self._next_hello, self.core.next_deadline())
-        for st in self.peers.values():
+        for p in self._syncing:
+            st = self.peers[p]
             if not st.synced and st.sync_sent is not None:
                 t = min(t, st.sync_sent + self.sync_timeout_s)
         if not self.ready and self._started_at is not None:
@@ -530,6 +532,7 @@ class Node:
     def _request_sync(self, peer: int, now: float) -> list[Output]:
         st = self.peers[peer]
         st.sync_sent = now
+        self._syncing.add(peer)
         self.counters.sync_requests += 1
         return [Send(peer, encode_envelope(K_SYNC_REQ, self.host, self.incarnation, 0, None))]
 
@@ -585,6 +588,7 @@ class Node:
         if st.have >= st.last_seq:
             st.synced = True
             st.sync_sent = None
+            self._syncing.discard(peer)
         else:
             # A hole above what this snapshot covers (a reply that was already on its
             # way when the loss happened): ask again.

@@ -553,9 +553,9 @@ class ArkCore:
             t = min(t, deadline_after(self._end_heap[0][0], self.expiry_grace_s + self.purge_slack_s, strict=False))
         if self._purge_heap:
             t = min(t, deadline_after(self._purge_heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
-        early = [*self._early_release.values(), *(r.ts for r in self._early_renew.values())]
-        if early:
-            t = min(t, deadline_after(min(early), self.retention_s + self.purge_slack_s, strict=True))
+        if self._early_release or self._early_renew:
+            early = min([*self._early_release.values(), *(r.ts for r in self._early_renew.values())])
+            t = min(t, deadline_after(early, self.retention_s + self.purge_slack_s, strict=True))
         return t
 
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
