@@ -418,8 +418,39 @@ def _drive(run: LoopbackRun, load: Load) -> None:
     r["client_errors"] = len(load.errors)
 
 
-if __name__ == "__main__":  # pragma: no cover - a manual entry point
-    import json
+def thread_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds per thread name (summed over processes): where an agent's time goes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                st = (t / "stat").read_text()
+                name = "main" if t.name == str(pid) else st[st.index("(") + 1:st.rindex(")")]
+                f = st.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+    return out
 
-    print(json.dumps(run_cluster(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)))
-    os._exit(0)
+
+def idle_cpu(agents: int, seconds: float, heartbeat_s: float = 0.25) -> dict[str, Any]:
+    """CPU of ``agents`` idle agents (no flows) over ``seconds``, per thread kind."""
+    with tempfile.TemporaryDirectory(prefix="ark-idle-") as d:
+        wd = Path(d)
+        (wd / "api").mkdir()
+        cfile, names = write_cluster(wd, agents, heartbeat_s=heartbeat_s, spines=max(4, agents))
+        procs = AgentProcs(cfile, names, wd)
+        try:
+            for n in names:
+                procs.start(n)
+            procs.wait_ready(names)
+            time.sleep(1.0)
+            pids = [p.pid for p in procs.procs.values()]
+            before, t0 = thread_cpu_s(pids), time.monotonic()
+            time.sleep(seconds)
+            after, wall = thread_cpu_s(pids), time.monotonic() - t0
+        finally:
+            procs.stop_all()
+    per_thread = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(after)}
+    total = sum(per_thread.values())
+    return {"agents": agents, "seconds": round(wall, 2), "heartbeat_s": heartbeat_s, "cpu_s": round(total, 3),
+            "cpu_s_by_thread": per_thread, "cpu_percent_per_agent": round(100 * total / wall / agents, 3)}
