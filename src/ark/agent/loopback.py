@@ -67,11 +67,12 @@ def write_cluster(
     ports = free_ports(total)
     hosts = []
     for i, name in enumerate(names):
-        public, _secret = create_keypair(workdir / "keys", name)
+        kp = create_keypair(workdir / "keys", name)
         hosts.append(HostTable(name=name, control=f"tcp://127.0.0.1:{ports[i]}", api=f"ipc://{workdir}/api/{name}.sock",
-                               public_key=public, secret_key_file=f"keys/{name}.key_secret"))
+                               public_key=kp.public_key, sign_key=kp.sign_key, secret_key_file=f"keys/{name}.key_secret"))
     settings = ClusterSettings(policy=policy, lease_min_s=lease_min_s, heartbeat_s=heartbeat_s,
-                               peer_timeout_s=1.0, sync_timeout_s=1.0)
+                               peer_timeout_s=max(1.0, 2 * heartbeat_s), sync_timeout_s=1.0,
+                               max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state")
     path = ClusterFile(cluster=settings, fabric=FabricConfig(leaves=2, spines=spines, gpus_per_leaf=per_leaf),
                        hosts=hosts).save(workdir / "cluster.toml")
     return path, names
