@@ -170,7 +170,7 @@ class Agent:
         self.auth.configure_curve_callback(domain="*", credentials_provider=_Keys(h.public_key for h in self.cluster.hosts))
         self.inbox = ctx.socket(zmq.ROUTER)
         self._curve(self.inbox, None)
-        for opt, val in ((zmq.RCVHWM, 100_000), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES + 1024),
+        for opt, val in ((zmq.RCVHWM, 4096), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES + 1024),
                          (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)):
             self.inbox.setsockopt(opt, val)
         budget = min(self.cluster.connections(len(self.cluster.hosts)), max(16, fds - 256))

@@ -99,14 +99,16 @@ def ports(cluster_path: str, host: str, peer: str, dport: int | None) -> None:
 @click.option("--kill", type=click.IntRange(min=0), default=0, show_default=True, help="Agents to SIGKILL halfway and restart.")
 @click.option("--lease", "lease_min_s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Minimum lease (s).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--hog", "hogs", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Busy processes beside the agents all along (an overloaded host).")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, as_json: bool) -> None:
+def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, hogs: int, as_json: bool) -> None:
     """Start N real agents on loopback, drive reserve/release cycles, report."""
     from ark.agent.loopback import run_cluster
 
     if kill >= agents:
         raise click.BadParameter(f"must be below --agents ({agents})", param_hint="--kill")
-    res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s)
+    res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s, hogs=hogs)
     if as_json:
         click.echo(json.dumps(res, indent=1))
         return

@@ -233,6 +233,8 @@ class Node:
     def tick(self, now: float) -> list[Output]:
         """Timers: heartbeats, sync retries, readiness, clock verdict, lease expiry, core expiry."""
         out: list[Output] = []
+        if self._next_hello - now > self.heartbeat_s:
+            self._next_hello = now  # the clock stepped back: do not fall silent until it catches up
         if now >= self._next_hello:
             out.extend(self._hello(now))
         for p in list(self._syncing):
