@@ -213,10 +213,10 @@ def unauthenticated(announce_mb: int = 200, connections: int = 3, idle: int = 11
         big: list[socket.socket] = []
         senders = [threading.Thread(target=lambda: big.append(_announce(host, int(port), announce_mb << 20)))
                    for _ in range(connections)]
-        for t in senders:
-            t.start()
-        for t in senders:
-            t.join(60)
+        for th in senders:
+            th.start()
+        for th in senders:
+            th.join(60)
         time.sleep(1.0)
         rss_big = rss_mb(pid)
         socks = []
