@@ -206,6 +206,7 @@ class Node:
         self.ready = False
         self._sign, self._verify = signer, verifier
         self._sigs: dict[FlowId, dict[int, tuple[bytes, bytes, float]]] = {}  # what we can relay, signed
+        self._frozen_votes: dict[FlowId, dict[int, tuple[int | None, bool]]] = {}  # peer -> its frozen assignment
         self._sigs_pruned = -math.inf
         self._started_at: float | None = None
         self._out_seq = 0
@@ -478,10 +479,10 @@ class Node:
         st.served_at = now
         self.counters.sync_served += 1
         items = [self._signed(m) for m in self.core.snapshot()]
-        mine = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items() if f[0] == self.host]
+        frozen = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items()]
         return [
             Send(peer, encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq,
-                                       [chunk, float(now), mine if part == parts - 1 else [], part, parts]))
+                                       [chunk, float(now), frozen if part == parts - 1 else [], part, parts]))
             for part, parts, chunk in sync_parts(items)
         ]
 
@@ -581,6 +582,8 @@ class Node:
         self._sigs_pruned = now
         for f in [f for f in self._sigs if not self.core.knows(f)]:
             del self._sigs[f]
+        for f in [f for f in self._frozen_votes if not self.core.knows(f)]:
+            del self._frozen_votes[f]
 
     def _hello(self, now: float) -> list[Output]:
         self._next_hello = now + self.heartbeat_s
@@ -610,16 +613,18 @@ class Node:
 
     def _judge_clock(self, now: float) -> list[Output]:
         """Stop reserving while a majority of peers proves our clock wrong; give up what we hold."""
-        skewed, why = self.clock.verdict(now)
+        verdict = self.clock.verdict(now)
+        if verdict is None:
+            return []  # no peer heard lately: keep the verdict we had
+        skewed, why = verdict
         was, self.skewed = self.skewed, why if skewed else ""
         if not skewed or was:
             return []
         out: list[Output] = []
-        for f in self._local:
-            if self.core.local_flows()[f][3]:
-                rel = self.core.unreserve(f, now)
-                self.events.extend(rel.events)
-                out.extend(self._publish(rel.messages))
+        for f in self._local:  # every reservation of ours, also one a lost race left unheld
+            rel = self.core.unreserve(f, now)
+            self.events.extend(rel.events)
+            out.extend(self._publish(rel.messages))
         return out
 
     def _merge(self, peer: int, items: list[list[bytes]], frozen: list[list[Any]], now: float) -> None:
@@ -640,10 +645,23 @@ class Node:
             self.core.receive(m, now, sender=m.flow[0], defer=True)
             self._keep_signature(m, raw, sig)
         self.events.extend(self.core.flush())
-        # Only the owner's word about its own flows (another host could lie about them).
-        mine = {(o, q): (None if p < 0 else p, sh) for o, q, p, sh in frozen if o == peer}
-        if mine:
-            self.events.extend(self.core.adopt(mine))
+        agreed = self._vote_frozen(peer, frozen)
+        if agreed:
+            self.events.extend(self.core.adopt(agreed))
+
+    def _vote_frozen(self, peer: int, frozen: list[list[Any]]) -> dict[FlowId, tuple[int | None, bool]]:
+        """Assignments the peer can no longer recompute (an overlapping reservation was
+        forgotten there), to take as they are. A joiner cannot check them, so a peer's word
+        is taken; the flow's owner's word, once heard, wins over any other peer's."""
+        agreed: dict[FlowId, tuple[int | None, bool]] = {}
+        for o, q, p, sh in frozen:
+            f = (o, q)
+            if not self.core.knows(f):
+                continue
+            votes = self._frozen_votes.setdefault(f, {})
+            votes[peer] = (None if p < 0 else p, sh)
+            agreed[f] = votes.get(o, votes[peer])
+        return agreed
 
     def _takes(self, peer: int, m: Message, raw: bytes, sig: bytes) -> bool:
         owner = m.flow[0]
