@@ -121,6 +121,7 @@ class PeerState:
     last_heard: float = -math.inf
     synced: bool = False
     sync_sent: float | None = None
+    retry_s: float = 0.0  # wait before asking again: doubles while requests go unanswered
     served_at: float = -math.inf  # last sync reply we sent it
     reply_seq: int | None = None  # the reply being received in parts: its seq ...
     reply_next: int = 0  # ... and the part expected next
@@ -192,7 +193,7 @@ class Node:
             host, routes, pathmaps, policy=policy, seed=seed, retention_s=retention_s, lease=self.lease,
             expiry_grace_s=expiry_grace_s, seq_base=incarnation << 32, limits=core_limits or CoreLimits(),
         )
-        self.peers: dict[int, PeerState] = {p: PeerState() for p in peers}
+        self.peers: dict[int, PeerState] = {p: PeerState(retry_s=sync_timeout_s) for p in peers}
         self.heartbeat_s, self.peer_timeout_s, self.sync_timeout_s = heartbeat_s, peer_timeout_s, sync_timeout_s
         self.limits = limits
         # Timestamps further than this from our clock are not believed (a message older
@@ -240,8 +241,8 @@ class Node:
             out.extend(self._hello(now))
         for p in list(self._syncing):
             st = self.peers[p]
-            if not st.synced and st.sync_sent is not None and now >= st.sync_sent + self.sync_timeout_s:
-                out.extend(self._request_sync(p, now))
+            if not st.synced and st.sync_sent is not None and now >= st.sync_sent + st.retry_s:
+                out.extend(self._request_sync(p, now, retry=True))
         self._update_ready(now)
         out.extend(self._judge_clock(now))
         for f in [f for f, lo in self._local.items() if lo.expires <= now]:
@@ -264,7 +265,7 @@ class Node:
         for p in self._syncing:
             st = self.peers[p]
             if not st.synced and st.sync_sent is not None:
-                t = min(t, st.sync_sent + self.sync_timeout_s)
+                t = min(t, st.sync_sent + st.retry_s)
         if not self.ready and self._started_at is not None:
             t = min(t, self._started_at + self.sync_timeout_s)
         if self._local:
@@ -384,6 +385,8 @@ class Node:
             self.counters.dropped += 1  # a delayed message from before the peer restarted
             return None
         st.last_heard = now
+        if not st.synced and st.retry_s > self.sync_timeout_s:
+            st.retry_s = self.sync_timeout_s  # it is back: the next retry comes soon
         if st.incarnation == env.incarnation:
             return []
         # First contact or a restart: its sequence numbers start over.
@@ -411,7 +414,7 @@ class Node:
         elif (
             st.synced
             and digest != self.core.state_digest(since, until, owner=peer)
-            and (st.sync_sent is None or now >= st.sync_sent + self.sync_timeout_s)
+            and (st.sync_sent is None or now >= st.sync_sent + st.retry_s)
         ):
             # Same sequence numbers but different message sets (a message lost from
             # a host that has since restarted): anti-entropy, merge with this peer.
@@ -595,11 +598,17 @@ class Node:
                    self.clock.ahead_of_us()]
         return [Publish(encode_envelope(K_HELLO, self.host, self.incarnation, self._out_seq, payload))]
 
-    def _request_sync(self, peer: int, now: float, *, urgent: bool = False) -> list[Output]:
-        """Ask ``peer`` for a snapshot, unless a request to it is out and not yet due a retry."""
+    def _request_sync(self, peer: int, now: float, *, urgent: bool = False, retry: bool = False) -> list[Output]:
+        """Ask ``peer`` for a snapshot, unless a request to it is out and not yet due a retry.
+
+        A retry of an unanswered request waits twice as long as the last (up to 8 x
+        ``sync_timeout_s``): a peer that cannot answer is not asked ever faster. Hearing
+        from it again resets the wait (:meth:`_contact`).
+        """
         st = self.peers[peer]
-        if not urgent and st.sync_sent is not None and now < st.sync_sent + self.sync_timeout_s:
+        if not urgent and not retry and st.sync_sent is not None and now < st.sync_sent + st.retry_s:
             return []
+        st.retry_s = min(2 * st.retry_s, 8 * self.sync_timeout_s) if retry else self.sync_timeout_s
         st.sync_sent = now
         self._syncing.add(peer)
         self.counters.sync_requests += 1
