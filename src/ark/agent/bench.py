@@ -273,3 +273,54 @@ def idle_cpu(agents: int, seconds: float, heartbeat_s: float = 0.25) -> dict[str
     total = sum(per_thread.values())
     return {"agents": agents, "seconds": round(wall, 2), "heartbeat_s": heartbeat_s, "cpu_s": round(total, 3),
             "cpu_s_by_thread": per_thread, "cpu_percent_per_agent": round(100 * total / wall / agents, 3)}
+
+
+def _valid_stream(b: Bed, target: str, count: int, sign: Any) -> Iterator[bytes]:
+    """Reserve/release pairs of X's own flows, signed, stamped now: what a busy honest peer sends."""
+    from ark.core.envelope import K_DATA, encode_envelope
+    from ark.core.messages import Release, Reserve, encode
+
+    fab = b.cluster.fabric
+    xi = b.cluster.host(b.x).index
+    dsts = [h.index for h in fab.hosts if fab.hosts[h.index].leaf != fab.hosts[xi].leaf]
+    inc = 5
+    for k in range(count // 2):
+        now = time.time()
+        r = Reserve((xi, (inc << 32) + k + 1), now, xi, dsts[k % len(dsts)], 4791, k % fab.n_spines,
+                    49152 + k % 16384, 10**6, 1e11, False, now + 2.0)
+        for seq, m in ((2 * k + 1, r), (2 * k + 2, Release(r.flow, now))):
+            raw = encode(m)
+            yield encode_envelope(K_DATA, xi, inc, seq, [raw, sign(raw)])
+
+
+def per_message(messages: int = 40_000, rate: float = 5000.0) -> dict[str, Any]:
+    """CPU an agent spends per message it receives: one listed peer sends ``messages`` valid
+    reserve/release messages at ``rate``; the target's CPU (all threads) over them."""
+    from ark.agent.keys import Signatures
+
+    with bed(agents=2, peer_rate=1e7) as b:
+        target = b.running[0]
+        ctx = zmq.Context()
+        try:
+            sock = b.as_x(ctx, target)
+            time.sleep(0.5)
+            _xpub, xsec = zmq.auth.load_certificate(str(b.workdir / "keys" / f"{b.x}.key_secret"))
+            stream = _valid_stream(b, target, messages, Signatures(xsec, {}).sign)  # stamped as sent
+            pid = b.pid(target)
+            base = int(b.procs.status([target])[target]["node"]["received"])
+            cpu0, t0 = thread_cpu_s([pid]), time.monotonic()
+            for i, data in enumerate(stream):
+                sock.send(data)
+                if i % 100 == 99:
+                    time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
+            got = _wait_received(b, target, base, messages, 120.0)
+            cpu1, wall = thread_cpu_s([pid]), time.monotonic() - t0
+            st = b.procs.status([target])[target]
+        finally:
+            ctx.destroy(0)
+    by_thread = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 3) for k in cpu1}
+    total = sum(by_thread.values())
+    return {"messages": messages, "received": got, "rate": rate, "seconds": round(wall, 2),
+            "cpu_s": round(total, 3), "cpu_s_by_thread": by_thread,
+            "cpu_us_per_message": round(total / max(1, got) * 1e6, 2),
+            "invalid": st["node"]["invalid"] + st["core"]["invalid"], "reservations_left": st["reservations"]}

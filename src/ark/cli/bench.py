@@ -132,3 +132,16 @@ def bench_unauth(announce_mb: int, connections: int, idle: int, fd_limit: int, a
     _print_json_or_line(r, as_json, f"RSS {r['rss_mb_before']} -> {r['rss_mb_after_announce']} (announces) -> "
                         f"{r['rss_mb_after_idle']} MiB ({r['idle_connections']} idle connections, "
                         f"{r['connections_shed']} shed); local API answered in {r['api_ms']} ms; alive {r['alive']}")
+
+
+@bench.command("agent")
+@click.option("--messages", type=click.IntRange(min=100), default=40_000, show_default=True)
+@click.option("--rate", type=click.FloatRange(min=10), default=5000.0, show_default=True, help="Messages/s the peer sends.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_agent(messages: int, rate: float, as_json: bool) -> None:
+    """CPU an agent spends per message it receives (valid reserve/release from one peer)."""
+    from ark.agent.bench import per_message
+
+    r = per_message(messages, rate)
+    _print_json_or_line(r, as_json, f"{r['received']} messages at {rate:g}/s: {r['cpu_us_per_message']} us of agent "
+                        f"CPU per received message ({r['cpu_s_by_thread']})")
