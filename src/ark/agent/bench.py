@@ -305,6 +305,7 @@ def per_message(messages: int = 40_000, rate: float = 5000.0) -> dict[str, Any]:
             sock = b.as_x(ctx, target)
             time.sleep(0.5)
             _xpub, xsec = zmq.auth.load_certificate(str(b.workdir / "keys" / f"{b.x}.key_secret"))
+            assert xsec is not None
             stream = _valid_stream(b, target, messages, Signatures(xsec, {}).sign)  # stamped as sent
             pid = b.pid(target)
             base = int(b.procs.status([target])[target]["node"]["received"])

@@ -52,6 +52,7 @@ from ark.core.lease import DEFAULT_MAX_LEASE_S, LeasePolicy
 from ark.core.pathmap import PathMapCache, PathMapError, parse_port_range
 from ark.core.protocol import POLICIES
 from ark.core.schema import ConfigError, NonNegative, Port, convert, one_of
+from ark.core.scope import Scope, scope_of
 from ark.core.topology import Fabric
 
 _Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
@@ -83,6 +84,10 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_dports: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
     peer_rate: Annotated[float, msgspec.Meta(ge=10, le=1e7)] = 2000.0  # messages/s a peer may send
     max_connections: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0  # inbound; 0: 4 per host + 64
+    # "full": every agent hears every reservation. "declared": each host lists the hosts it
+    # sends KV flows to (sends_to); an agent then talks only to the senders whose flows can
+    # share a link with its own (ark.core.scope), and reserves nothing outside that scope.
+    scope: Literal["full", "declared"] = "full"
     pathmap_dir: str | None = None
     routers_file: str | None = None  # JSON: router address -> path index, for probing
     probe_proto: Literal["udp", "tcp"] = "udp"
@@ -132,6 +137,7 @@ class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     sign_key: str | None = None
     secret_key_file: str | None = None
     metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
+    sends_to: Annotated[list[str], msgspec.Meta(max_length=1 << 16)] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         for key in ("control", "api"):
@@ -177,6 +183,7 @@ class HostEntry:
     secret_key_file: str | None
     metrics_port: int | None
     sign_key: str | None = None
+    sends_to: tuple[int, ...] = ()  # fabric indices of the hosts it sends KV flows to
 
 
 class Cluster(ClusterSettings, frozen=True, kw_only=True):
@@ -196,6 +203,12 @@ class Cluster(ClusterSettings, frozen=True, kw_only=True):
             if h.index == index:
                 return h
         raise ClusterError(f"host: no cluster host has fabric index {index}")
+
+    def traffic_scope(self) -> Scope | None:
+        """The components of the declared traffic (``scope = "declared"``), else None."""
+        if self.scope == "full":
+            return None
+        return scope_of(self.fabric, [(h.index, d) for h in self.hosts for d in h.sends_to])
 
     def pathmaps(self) -> PathMapCache:
         """Maps from ``pathmap_dir`` files where present, else from the fabric's hash model."""
@@ -227,8 +240,12 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
             raise ClusterError(f"hosts[{i}].name: {h.name!r} is not a fabric host (gpu0..gpu{len(names) - 1})")
         if any(x.name == h.name for x in hosts):
             raise ClusterError(f"hosts[{i}].name: {h.name!r} listed twice")
+        bad = [t for t in h.sends_to if t not in names or t == h.name]
+        if bad:
+            raise ClusterError(f"hosts[{i}].sends_to: {bad[0]!r} is not another fabric host")
         hosts.append(HostEntry(h.name, names[h.name], h.control, h.api, h.public_key,
-                               _resolve(h.secret_key_file, base), h.metrics_port, h.sign_key))
+                               _resolve(h.secret_key_file, base), h.metrics_port, h.sign_key,
+                               tuple(names[t] for t in h.sends_to)))
     for what in ("public_key", "control", "api", "sign_key"):
         seen: dict[str, int] = {}
         for i, h in enumerate(f.hosts):

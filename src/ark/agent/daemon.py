@@ -117,7 +117,11 @@ class Agent:
         if pub.decode() != self.me.public_key:
             raise AgentError(f"secret key: {keyfile} does not match {host}'s public_key in the cluster file")
         self.public = pub
-        self.peers = {h.index: h for h in cluster.hosts if h.index != self.me.index}
+        scope = cluster.traffic_scope()
+        # Scoped: only the senders whose flows can share a link with ours (ark.core.scope).
+        self.scope_links = None if scope is None else scope.links(self.me.index)
+        talk = None if scope is None else scope.peers(self.me.index)
+        self.peers = {h.index: h for h in cluster.hosts if h.index != self.me.index and (talk is None or h.index in talk)}
         for i, h in enumerate(cluster.hosts):
             check_resolvable(h.control, f"hosts[{i}].control")
         self.maps = cluster.pathmaps()
@@ -150,7 +154,7 @@ class Agent:
             retention_s=c.retention_s,
             limits=NodeLimits(max_local_flows=c.max_local_flows, max_clock_offset_s=c.max_clock_offset_s),
             core_limits=CoreLimits(max_flows_per_host=c.max_flows_per_host, max_dports=c.max_dports),
-            signer=self.signatures.sign, verifier=self.signatures.verify,
+            signer=self.signatures.sign, verifier=self.signatures.verify, scope_links=self.scope_links,
         )
 
     # ------------------------------------------------------------------ sockets

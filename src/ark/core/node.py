@@ -55,6 +55,7 @@ from ark.core.lease import LeasePolicy
 from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, decode, encode
 from ark.core.protocol import ArkCore, CoreError, CoreLimits, PathMaps, Repath, Routes
 from ark.core.roce import flow_label_for_sport
+from ark.core.scope import pair_links
 
 __all__ = [
     "K_DATA", "K_HELLO", "K_SYNC_REP", "K_SYNC_REQ", "Lease", "LeasePolicy", "Node", "NodeLimits", "NotReady",
@@ -152,6 +153,7 @@ class NodeCounters:
     predecessor_releases: int = 0  # our host's flows from before a restart, released
     local_expired: int = 0
     fenced_requests: int = 0  # reservations refused (plain ECMP) while the clock is skewed
+    out_of_scope: int = 0  # requests or peer reservations outside this host's scope (plain ECMP / dropped)
 
 
 class Node:
@@ -178,6 +180,7 @@ class Node:
         core_limits: CoreLimits | None = None,
         signer: Signer | None = None,
         verifier: Verifier | None = None,
+        scope_links: frozenset[int] | None = None,
     ) -> None:
         if host in peers:
             raise CoreError(f"peers: must not include this host ({host})")
@@ -206,6 +209,10 @@ class Node:
         self.skewed = ""  # why this host stopped reserving ("" while its clock is trusted)
         self.ready = False
         self._sign, self._verify = signer, verifier
+        # Scoped dissemination (ark.core.scope): the links this host's component uses; a
+        # reservation outside them is neither made here nor taken from a peer. None: all.
+        self._scope = scope_links
+        self._in_scope: dict[tuple[int, int], bool] = {}
         self._sigs: dict[FlowId, dict[int, tuple[bytes, bytes, float]]] = {}  # what we can relay, signed
         self._frozen_votes: dict[FlowId, dict[int, tuple[int | None, bool]]] = {}  # peer -> its frozen assignment
         self._sigs_pruned = -math.inf
@@ -282,7 +289,10 @@ class Node:
             raise CoreError(f"flows: {len(self._local)} local flows are live (the limit); release some first")
         if self.skewed:
             self.counters.fenced_requests += 1
-        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=not self.skewed)
+        in_scope = self._covers(self.host, dst)
+        if not in_scope:
+            self.counters.out_of_scope += 1
+        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=in_scope and not self.skewed)
         self.events.extend(dec.events)
         expires = self._expiry(dec.flow, now, nbytes)
         self._local[dec.flow] = _Local(dst, dport, nbytes, expires)
@@ -455,6 +465,10 @@ class Node:
             return
         if not self._timely(msg, now, direct=True):
             return
+        if isinstance(msg, Reserve) and not self._covers(msg.src, msg.dst):
+            self.counters.invalid += 1
+            self.counters.out_of_scope += 1
+            return
         before = self.core.counters.invalid
         self.events.extend(self.core.receive(msg, now, sender=peer, defer=True))
         if self.core.counters.invalid > before:
@@ -463,6 +477,19 @@ class Node:
         self._keep_signature(msg, raw, sig)
         if isinstance(msg, Reserve):
             self.propagation_s.append(now - msg.ts)
+
+    def _covers(self, src: int, dst: int) -> bool:
+        """Do all links a ``src`` -> ``dst`` reservation could hold lie in our scope?"""
+        if self._scope is None:
+            return True
+        key = (src, dst)
+        ok = self._in_scope.get(key)
+        if ok is None:
+            n = self.core.routes.n_hosts
+            ok = 0 <= src < n and 0 <= dst < n and src != dst and pair_links(self.core.routes, src, dst) <= self._scope
+            if len(self._in_scope) < 1 << 16:  # pairs a peer names: keep a bounded cache
+                self._in_scope[key] = ok
+        return ok
 
     def _timely(self, msg: Message, now: float, *, direct: bool) -> bool:
         """Timestamps near our clock (old ones too, for a snapshot) and leases within the cap."""
