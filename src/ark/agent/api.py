@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ark.agent.daemon import Agent
 
 API_MAX_BYTES = 4096
+MORE_PORTS_MAX = 1024  # ports one more_ports request may claim
 Reply = dict[str, Any]
 
 
@@ -108,6 +109,13 @@ class LocalApi:
     def op_lease(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
         return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(self._flow(req)))}
 
+    def op_more_ports(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
+        """More source ports of a flow's path (an engine opening several connections)."""
+        n = req.get("n")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MORE_PORTS_MAX:
+            raise ValueError(f"n: expected an integer 1..{MORE_PORTS_MAX}")
+        return {"ok": True, "ports": self.agent.node.more_ports(self._flow(req), n)}
+
     def op_reload(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
         """New path-map files (re-probed after a fabric change): reload and re-path."""
         return {"ok": True, "repathed": self.agent.reload(now)}
@@ -149,4 +157,4 @@ class LocalApi:
         return {"ok": True, "text": generate_latest(self.agent.metrics_registry()).decode()}
 
 
-OPS = ("reserve", "renew", "release", "lease", "reload", "refresh", "status", "table", "ports", "metrics")
+OPS = ("reserve", "renew", "release", "lease", "more_ports", "reload", "refresh", "status", "table", "ports", "metrics")

@@ -131,6 +131,9 @@ class _Own:
     # Ports the flow held before a re-path: its owner may still be sending on them until
     # it moves, so they stay claimed until the flow is released.
     stale: list[int] = field(default_factory=list)
+    # More ports of its path (more_ports): an engine that opens several connections per
+    # transfer binds each to its own port; claimed until the flow is released.
+    extra: list[int] = field(default_factory=list)
 
 
 class Repath(NamedTuple):
@@ -386,7 +389,7 @@ class ArkCore:
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
         buckets = self._bucket(own.dst, own.dport)
-        for port in (own.port, *own.stale):
+        for port in (own.port, *own.stale, *own.extra):
             buckets.give(port)
         if flow not in self._entries:
             return Released((), ())
@@ -410,6 +413,24 @@ class ArkCore:
         msg = Renew(flow, float(now), expires)
         self._apply_renew(entry, msg)
         return (msg,)
+
+    def more_ports(self, flow: FlowId, n: int) -> list[int]:
+        """Up to ``n`` more free source ports of a local flow's path, claimed for the flow
+        until it is released; fewer (or none) when its bucket has no more free ports."""
+        own = self._own.get(flow)
+        if own is None:
+            raise CoreError(f"flow: {flow} is not an active local flow")
+        if n < 0:
+            raise CoreError(f"n: must be >= 0; got {n}")
+        buckets = self._bucket(own.dst, own.dport)
+        out: list[int] = []
+        while len(out) < n:
+            port = buckets.try_take(own.path)
+            if port is None:
+                break
+            out.append(port)
+        own.extra.extend(out)
+        return out
 
     def receive(self, msg: Message, now: float, sender: int | None = None) -> list[Repath]:
         """Apply a peer's message; returns changes to local flows (races lost)."""
