@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 import textwrap
-import random
+from pathlib import Path
 
 import pytest
 
@@ -55,7 +56,7 @@ def base() -> int:
 
 
 def ephemeral() -> range:
-    lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     return range(lo, hi + 1)
 
 
