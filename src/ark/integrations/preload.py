@@ -117,13 +117,14 @@ _lib: _Lib | None = None
 def loaded() -> bool:
     """Whether the interposer is loaded in this process."""
     try:
-        _functions()
+        require()
     except PreloadError:
         return False
     return True
 
 
-def _functions() -> _Lib:
+def require() -> _Lib:
+    """The loaded interposer (PreloadError, one line, when it is not loaded)."""
     global _lib
     if _lib is None:
         _lib = _Lib()
@@ -167,6 +168,7 @@ class Rule:
 
     def __init__(self, dst_ip: str, *, skip_port: int = 0, steer: bool = True, hint: int = 1,
                  resolver: Resolver | None = None) -> None:
+        self._handle: int | None = None
         try:
             packed = ipaddress.IPv4Address(dst_ip).packed
         except ValueError:
@@ -175,7 +177,7 @@ class Rule:
             raise ValueError(f"skip_port: expected 0..65535; got {skip_port!r}")
         if isinstance(hint, bool) or not isinstance(hint, int) or not 1 <= hint <= MAX_PORTS:
             raise ValueError(f"hint: expected 1..{MAX_PORTS} connections; got {hint!r}")
-        self._lib = _functions()
+        self._lib = require()
         self.resolver = resolver
         self.resolver_error: BaseException | None = None
         self._cb = _RESOLVE(self._resolve)  # kept alive as long as the rule
@@ -183,7 +185,7 @@ class Rule:
         handle = self._lib.new(int.from_bytes(packed, sys.byteorder), skip_port, int(steer), hint, self._cb if resolver else _RESOLVE(), None)
         if not handle:
             raise MemoryError("ark_steer_new")
-        self._handle: int | None = handle
+        self._handle = handle
 
     def _resolve(self, _ctx: int | None, dport: int, need: int) -> int:
         if self.resolver is None or self._handle is None:
