@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -158,7 +159,7 @@ def test_steered_writes_use_ports_of_the_leased_path_and_release(agents, tmp_pat
 
 def test_an_unsteered_engine_connects_as_before(agents, tmp_path) -> None:
     procs, _cl, _names = agents
-    lo, hi = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
     for i, (preloaded, one_shot) in enumerate([(True, True), (True, None), (False, None)]):
         (tmp_path / str(i)).mkdir()
         p, info, done = _receiver(tmp_path / str(i))
