@@ -124,9 +124,10 @@ def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: in
 @click.option("--routers", type=click.Path(dir_okay=False), help="JSON: router (spine) address -> path index (default: the cluster's routers_file).")
 @click.option("--sample", type=click.IntRange(min=0), help="Source ports probed per peer per round; 0: all (default: the cluster's probe_sample).")
 @click.option("--proto", type=click.Choice(["tcp", "udp"]), help="Probe with your flows' protocol: the ECMP hash includes it (default: the cluster's probe_proto).")
+@click.option("--dport", type=click.IntRange(0, 65535), help="Destination port to probe (the hash includes it; default: the cluster's dport).")
 @click.option("--json", "as_json", is_flag=True)
 def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | None, sample: int | None,
-              proto: str | None, as_json: bool) -> None:
+              proto: str | None, dport: int | None, as_json: bool) -> None:
     """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""
     import msgspec
 
@@ -144,6 +145,8 @@ def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | No
         over["probe_sample"] = sample
     if proto is not None:
         over["probe_proto"] = proto
+    if dport is not None:
+        over["dport"] = dport
     c = msgspec.structs.replace(c, **over)
     names = [p for p in peers.split(",") if p] if peers else None
     summary = refresh(c, host, names)

@@ -44,9 +44,9 @@ def cross_leaf_pairs(st: State, flows: list[FlowSpec]) -> Pairs:
     return pairs
 
 
-def map_file(st: State, src: int, dst: int) -> Path:
-    """Where host ``src``'s probed map towards ``dst`` lives (the cluster's pathmap_dir)."""
-    return st.dir / "maps" / pathmap_filename(f"gpu{src}", f"gpu{dst}", st.spec.dport)
+def map_file(st: State, src: int, dst: int, dport: int | None = None) -> Path:
+    """Where host ``src``'s probed map towards ``dst`` (``dport``: default the testbed's) lives."""
+    return st.dir / "maps" / pathmap_filename(f"gpu{src}", f"gpu{dst}", st.spec.dport if dport is None else dport)
 
 
 def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) -> Path:
