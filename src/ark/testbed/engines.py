@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 
 PAIRS = 16  # port pairs tried from the testbed's destination port up
+LEAD_S = 8.0  # senders start this long after they are spawned (engine set-up)
 
 
 def data_ports(st: State, receivers: list[int]) -> list[int]:
@@ -122,3 +123,5 @@ def add_verdicts(rec: dict[str, Any], verdicts: dict[int, bool]) -> None:
         n_ok += fr["verified"]
     rec["flows_verified"] = n_ok
     rec["bytes_verified_fraction"] = ok / total if total else None
+    # How late the latest flow started after its planned time (a late start counts in its FCT).
+    rec["start_late_max_s"] = max((fr.get("late_s") or 0.0 for fr in rec["flows"]), default=0.0)

@@ -152,6 +152,7 @@ def _flow(eng: Any, plan: EnginePlan, f: FlowSpec, src_addr: int, t0: float, out
                            "segments": [], "error": None, "sport": None}
     target = f"{plan.ips[f.dst]}:{plan.targets[f.dst].rpc_port}"
     t = time.time()
+    rec["late_s"] = max(0.0, t - planned)
     try:
         if isinstance(eng, SteeredTransferEngine):
             with eng.steer(target, f.nbytes, plan.buffers) as tr:

@@ -213,7 +213,9 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
 
 def _send(tr: TestbedRun, pairs: Pairs, cluster: Path, change: dict[str, Any]) -> SpineCounters:
     """Senders under the spine counters, with the fabric change beside them if asked for."""
-    t0 = time.time() + 1.5  # every sender imported and waiting
+    # Every sender imported and waiting (a Mooncake sender also initializes its engine and
+    # registers its buffers, which takes seconds on a busy 2-core machine).
+    t0 = time.time() + (engines.LEAD_S if tr.params.engine == "mooncake" else 1.5)
     with counting(tr.st) as counters:
         sprocs = tr.start_senders(t0)
         changer = None
@@ -239,6 +241,7 @@ def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
     fr: dict[str, Any] = {"id": r["id"], "src": f"gpu{f.src}", "dst": f"gpu{f.dst}", "bytes": f.nbytes,
                           "start_s": f.start_s, "sport": r["sport"], "fct_s": r.get("fct_s"),
                           "error": r["error"], "spine": segs[0]["spine"] if segs else None, "segments": segs}
+    fr.update({k: r[k] for k in ("late_s", "connections", "steer_error") if k in r})  # engine runs
     if params.scheme != "ecmp" and r["path"] is not None and lay.leaf_of(f.src) != lay.leaf_of(f.dst):
         fr.update(reserved_spine=r["path"], reserved=r["reserved"], reserve_s=r.get("reserve_s"))
         # Matched: on every connection of the flow, every payload byte crossed the spine
