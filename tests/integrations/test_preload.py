@@ -179,3 +179,19 @@ def test_library_builds_once_per_source(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("CC", "/bin/false")
     with pytest.raises(preload.PreloadError, match="cc: building"):
         preload.library()
+
+
+def test_cli_preload_and_bench(capsys) -> None:
+    from ark.cli import main
+
+    assert main(["preload"]) == 0
+    assert capsys.readouterr().out.strip() == str(preload.library())
+    res = subprocess.run([sys.executable, "-m", "ark", "preload", "--", sys.executable, "-c",
+                          "from ark.integrations.preload import loaded; print(loaded())"],
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0 and res.stdout.strip() == "True"
+    assert main(["bench", "steer", "--connections", "40", "--rounds", "1", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert set(rec["modes"]) == {"plain", "idle", "other", "steered", "skip"}
+    assert set(rec["overhead_us"]) == {"other", "steered", "skip"} and rec["target_us"] == 100
+    assert all(r["median_us"] > 0 for r in rec["modes"].values())
