@@ -300,6 +300,8 @@ def test_cli_status_ports_keygen_and_cluster(trio, tmp_path) -> None:
     ports = [int(v) for v in p.stdout.strip().split(",")]
     pm = cl.pathmaps()(cl.host(running[0]).index, cl.host(dst).index, 4791)
     assert [pm.path_of(v) for v in ports] == [0, 1, 2, 3]
+    # Honest about what engines take: one list for this peer only, process-wide in Mooncake RDMA.
+    assert "for this peer only" in p.stderr and "list[i % n]" in p.stderr and "USE_MLX5DV=ON" in p.stderr
     p = run("ports", "--cluster", str(procs.cluster_file), "--host", running[0], "--peer", "nosuch")
     assert p.returncode != 0 and p.stderr.count("\n") == 1 and "nosuch" in p.stderr
     p = run("keygen", "--out", str(tmp_path / "k"), "--name", "h1")
