@@ -49,7 +49,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ark.agent.client import ArkClient
+from ark.agent.client import ArkClient, ArkClientError
 from ark.core.node import Lease
 from ark.integrations.preload import Connection, Rule, RuleStats, require
 
@@ -75,6 +75,13 @@ class Transfer:
     stats: RuleStats | None = None
     reserve_s: float | None = None
     error: str | None = None  # why (part of) it went out unsteered
+    # The lease as it stood when the call ended: another path than ``lease`` means the table
+    # re-pathed the flow (a race lost) while its connections stayed where they were.
+    final: Lease | None = None
+
+    @property
+    def repathed(self) -> bool:
+        return self.lease is not None and self.final is not None and self.final.path != self.lease.path
 
     @property
     def steered(self) -> bool:
@@ -187,6 +194,9 @@ class SteeredTransferEngine:
                     log.warning("transfer to %s went out unsteered: %s", target_hostname, t.error)
                 rule.close()
                 self._local.last = t
+                if t.lease is not None:
+                    with contextlib.suppress(ArkClientError):
+                        t.final = client.current(t.lease.flow_id)
             # leaving the stack stops the renewer and releases the lease
 
     def _ports(self, t: Transfer, client: ArkClient, stack: contextlib.ExitStack, dport: int, need: int) -> list[int]:

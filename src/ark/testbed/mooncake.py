@@ -36,7 +36,7 @@ import numpy as np
 
 from ark.core.flows import FlowSpec
 
-POLL_S = 0.002
+POLL_S = 0.005  # how often a flow asks the engine whether its requests are done
 
 
 class Target(msgspec.Struct):
@@ -157,16 +157,17 @@ def _flow(eng: Any, plan: EnginePlan, f: FlowSpec, src_addr: int, t0: float, out
         if isinstance(eng, SteeredTransferEngine):
             with eng.steer(target, f.nbytes, plan.buffers) as tr:
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
+                t1 = time.time()  # every byte is in: the lease's release is bookkeeping
             conns, lease = tr.connections, tr.lease
-            rec.update(reserve_s=tr.reserve_s, steer_error=tr.error)
+            rec.update(reserve_s=tr.reserve_s, steer_error=tr.error, repathed=tr.repathed)
             if lease is not None:
                 rec.update(path=lease.path, reserved=lease.reserved, lease_flow=list(lease.flow_id))
         else:
             with Rule(plan.ips[f.dst], skip_port=plan.targets[f.dst].rpc_port, steer=False) as rule:
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
+                t1 = time.time()
             conns = rule.connections()
             rule.close()
-        t1 = time.time()
         rec["segments"] = [{"sport": c.sport, "dport": c.dport, "steered": c.steered, "path": rec["path"],
                             "reserved": rec["reserved"], "bytes": n, "t0": t, "t1": t1, "start_s": t - t0}
                            for c, n in zip(conns, sizes, strict=False)]
