@@ -81,9 +81,9 @@ def test_reserve_renew_release_over_real_sockets(trio) -> None:
         with pytest.raises(ArkClientError, match="peers: expected a list"):
             c.call({"op": "refresh", "peers": "gpu1"})
         # More ports of the lease's path, for an engine opening several connections.
-        more = c.more_ports(lease.flow_id, 3)
+        path, more = c.more_ports(lease.flow_id, 3)
         pm = cl.pathmaps()(cl.host(src).index, cl.host(dst).index, 4791)
-        assert len(set(more) | {lease.src_port}) == 4 and {pm.path_of(p) for p in more} == {lease.path}
+        assert path == lease.path and len(set(more) | {lease.src_port}) == 4 and {pm.path_of(p) for p in more} == {path}
         for bad in (0, 1025, True, "3"):
             with pytest.raises(ArkClientError, match=r"n: expected an integer 1\.\.1024"):
                 c.call({"op": "more_ports", "flow": list(lease.flow_id), "n": bad})

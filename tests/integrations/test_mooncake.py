@@ -76,7 +76,7 @@ if mode == "steered":
     t2 = eng.last_transfer()
     out = {"rc": [rc, rc2], "time_wait": time_wait_ports(t.dport)}
     for k, x in (("batch", t), ("single", t2)):
-        out[k] = {"dport": x.dport, "path": x.lease.path if x.lease else None, "flow": list(x.lease.flow_id) if x.lease else None,
+        out[k] = {"dport": x.dport, "path": x.lease.path if x.lease else None, "port_paths": x.port_paths, "flow": list(x.lease.flow_id) if x.lease else None,
                   "ports": x.ports, "steered": x.steered, "error": x.error,
                   "conns": [[c.sport, c.dport, c.steered] for c in x.connections]}
 else:  # the plain engine in a preloaded process (its own default, pooled lanes, or one-shot): observed only
@@ -160,6 +160,7 @@ def test_steered_writes_use_ports_of_the_leased_path_and_release(agents, tmp_pat
         # one connection per buffer, each on its own port of the leased path (the handshake is not steered)
         assert len(used) == conns and len(set(used)) == conns and all(c[1] == t["dport"] for c in t["conns"])
         assert {pm.path_of(s) for s in used} == {t["path"]} and set(used) <= set(t["ports"])
+        assert {int(p): v for p, v in t["port_paths"].items()} == dict.fromkeys(t["ports"], t["path"])
         assert len(t["ports"]) >= conns  # one per connection (spares only for ports still in TIME_WAIT)
     # The kernel's own record: the engine closes first, so each steered port sits in TIME_WAIT.
     assert {c[0] for k in ("batch", "single") for c in out[k]["conns"]} <= set(out["time_wait"])

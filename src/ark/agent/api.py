@@ -114,7 +114,9 @@ class LocalApi:
         n = req.get("n")
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MORE_PORTS_MAX:
             raise ValueError(f"n: expected an integer 1..{MORE_PORTS_MAX}")
-        return {"ok": True, "ports": self.agent.node.more_ports(self._flow(req), n)}
+        node, flow = self.agent.node, self._flow(req)
+        ports = node.more_ports(flow, n)
+        return {"ok": True, "ports": ports, "path": node.lease_of(flow).path}  # the path they lead over
 
     def op_reload(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
         """New path-map files (re-probed after a fabric change): reload and re-path."""

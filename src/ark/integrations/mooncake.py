@@ -71,6 +71,8 @@ class Transfer:
     dport: int | None = None  # the peer's data port, learnt at the first connection
     lease: Lease | None = None
     ports: list[int] = field(default_factory=list)
+    # The path each port was handed for (the lease's, or the one a race moved the flow to).
+    port_paths: dict[int, int] = field(default_factory=dict)
     connections: list[Connection] = field(default_factory=list)
     stats: RuleStats | None = None
     reserve_s: float | None = None
@@ -206,11 +208,14 @@ class SteeredTransferEngine:
             t.dport = dport
             t.lease = stack.enter_context(client.lease(t.dst, t.nbytes, dport))
             # One port per expected connection; spares only when some are held (TIME_WAIT).
-            more = client.more_ports(t.lease.flow_id, need - 1) if need > 1 else []
+            path, more = client.more_ports(t.lease.flow_id, need - 1) if need > 1 else (t.lease.path, [])
             t.reserve_s = time.perf_counter() - t0
+            t.port_paths[t.lease.src_port] = t.lease.path
             ports = [t.lease.src_port, *more]
         else:  # every port so far is held: more, with spares
-            ports = client.more_ports(t.lease.flow_id, need + self.spare)
+            path, more = client.more_ports(t.lease.flow_id, need + self.spare)
+            ports = more
+        t.port_paths.update(dict.fromkeys(more, path))
         t.ports += ports
         return ports
 

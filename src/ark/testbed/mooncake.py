@@ -158,7 +158,7 @@ def _flow(eng: Any, plan: EnginePlan, f: FlowSpec, src_addr: int, t0: float, out
             with eng.steer(target, f.nbytes, plan.buffers) as tr:
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
                 t1 = time.time()  # every byte is in: the lease's release is bookkeeping
-            conns, lease = tr.connections, tr.lease
+            conns, lease, port_paths = tr.connections, tr.lease, tr.port_paths
             rec.update(reserve_s=tr.reserve_s, steer_error=tr.error, repathed=tr.repathed)
             if lease is not None:
                 rec.update(path=lease.path, reserved=lease.reserved, lease_flow=list(lease.flow_id))
@@ -166,9 +166,10 @@ def _flow(eng: Any, plan: EnginePlan, f: FlowSpec, src_addr: int, t0: float, out
             with Rule(plan.ips[f.dst], skip_port=plan.targets[f.dst].rpc_port, steer=False) as rule:
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
                 t1 = time.time()
-            conns = rule.connections()
+            conns, port_paths = rule.connections(), {}
             rule.close()
-        rec["segments"] = [{"sport": c.sport, "dport": c.dport, "steered": c.steered, "path": rec["path"],
+        rec["segments"] = [{"sport": c.sport, "dport": c.dport, "steered": c.steered,
+                            "path": port_paths.get(c.sport, rec["path"]),
                             "reserved": rec["reserved"], "bytes": n, "t0": t, "t1": t1, "start_s": t - t0}
                            for c, n in zip(conns, sizes, strict=False)]
         rec.update(error=err, fct_s=t1 - planned, connections=len(conns),
