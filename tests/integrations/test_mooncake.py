@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -115,10 +116,10 @@ def _no_receiver_left():
             p.wait()
 
 
-def _receiver(tmp_path):
+def _receiver(tmp_path, env=None):
     ready, done = tmp_path / "ready.json", tmp_path / "done"
     p = subprocess.Popen([sys.executable, "-c", RECEIVER, str(ready), str(done)], stdout=subprocess.PIPE,
-                         stderr=subprocess.DEVNULL, text=True)
+                         stderr=subprocess.DEVNULL, text=True, env={**os.environ, **(env or {})})
     STARTED.append(p)
     deadline = time.monotonic() + 30
     while not ready.exists():
@@ -170,6 +171,62 @@ def test_steered_writes_use_ports_of_the_leased_path_and_release(agents, tmp_pat
         st = c.status()
         assert st["local_flows"] == 0 and st["reservations"] == 0
         assert st["core"]["reserved"] == 2
+
+
+HELD = """
+import json, socket, sys
+import numpy as np
+from ark.agent.cluster import load
+from ark.integrations.mooncake import SteeredTransferEngine
+
+info, api, cluster, dport = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+cl = load(cluster)
+bucket = cl.pathmaps()(cl.host("gpu0").index, cl.host("gpu1").index, dport).buckets[0].tolist()
+held = []
+for p in bucket[:4]:  # the ports the lease and its first more_ports will hand out: all taken
+    s = socket.socket(); s.bind(("0.0.0.0", p)); held.append(s)
+eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"})
+assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+n = 4 << 20
+src = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
+assert eng.register_memory(src.ctypes.data, n) == 0
+q = n // 4
+rc = eng.batch_transfer_sync_write(f"127.0.0.2:{info['rpc']}", [src.ctypes.data + i * q for i in range(4)],
+                                   [info["addr"] + i * q for i in range(4)], [q] * 4)
+t = eng.last_transfer()
+print(json.dumps({"rc": rc, "bucket": bucket[:12], "ports": t.ports, "port_paths": t.port_paths, "path": t.lease.path,
+                  "conns": [[c.sport, c.steered] for c in t.connections], "resolves": t.stats.resolves}))
+"""
+
+
+def test_held_ports_are_stepped_over_with_more_ports_of_the_same_path(agents, tmp_path) -> None:
+    procs, _cl, _names = agents
+    lo = _free_pair()
+    p, info, done = _receiver(tmp_path, {"MC_MIN_RPC_PORT": str(lo), "MC_MAX_RPC_PORT": str(lo + 1)})
+    data_port = 2 * lo + 1 - info["rpc"]  # Mooncake took the other port of the pair for data
+    res = subprocess.run([sys.executable, "-c", HELD, json.dumps(info), procs.api("gpu0"), str(procs.cluster_file),
+                          str(data_port)], capture_output=True, text=True, env=preload.preload_env(), timeout=120,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["rc"] == 0 and _verified(p, done, 4 << 20)
+    b = out["bucket"]
+    # The lease and its 3 more ports are held: the resolver is called again and gets 4 + 4 spares.
+    assert out["path"] == 0 and out["ports"] == b[:12] and out["resolves"] == 2
+    assert {int(k): v for k, v in out["port_paths"].items()} == dict.fromkeys(b[:12], 0)
+    assert out["conns"] == [[port, True] for port in b[4:8]]
+
+
+def _free_pair() -> int:
+    for lo in range(18000, 19000, 2):
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("0.0.0.0", lo))
+                b.bind(("0.0.0.0", lo + 1))
+            except OSError:
+                continue
+            return lo
+    raise AssertionError("no free port pair")
 
 
 def test_an_unsteered_engine_connects_as_before(agents, tmp_path) -> None:
