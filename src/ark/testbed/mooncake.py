@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +34,7 @@ import msgspec
 import numpy as np
 
 from ark.core.flows import FlowSpec
+from ark.testbed.transfer import add_send_parser, run_flows, run_send
 
 POLL_S = 0.005  # how often a flow asks the engine whether its requests are done
 
@@ -198,14 +198,7 @@ def send(plan: EnginePlan, src_ip: str, t0: float, api: str | None) -> list[dict
         starts[f.id], pos = pos, pos + f.nbytes
     if eng.register_memory(src.ctypes.data, src.nbytes) != 0:
         raise RuntimeError("mooncake: register_memory failed")
-    out: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=_flow, args=(eng, plan, f, src.ctypes.data + starts[f.id], t0, out))
-               for f in plan.flows]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return sorted(out, key=lambda r: r["id"])
+    return run_flows(_flow, [(eng, plan, f, src.ctypes.data + starts[f.id], t0) for f in plan.flows])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -217,22 +210,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--ready", required=True)
     s.add_argument("--done", required=True, help="appears when every sender is done: [[flow, offset, bytes]...]")
     s.add_argument("--out", required=True)
-    c = sub.add_parser("send")
-    c.add_argument("--plan", required=True)
-    c.add_argument("--src-ip", required=True)
-    c.add_argument("--t0", type=float, required=True)
-    c.add_argument("--api", help="agent API endpoint (ARK); absent: ECMP")
-    c.add_argument("--out", required=True)
+    add_send_parser(sub, "JSON EnginePlan: flows, receivers and buffer offsets")
     a = ap.parse_args(argv)
     if a.cmd == "serve":
         serve(a.bind, a.size, a.ready, a.done, a.out)
         return 0
-    with open(a.plan, "rb") as fp:
-        plan = msgspec.json.decode(fp.read(), type=EnginePlan)
-    res = send(plan, a.src_ip, a.t0, a.api)
-    with open(a.out, "w") as fp:
-        json.dump(res, fp)
-    return 0
+    return run_send(a, EnginePlan, send)
 
 
 if __name__ == "__main__":
