@@ -6,8 +6,10 @@ leads where); the namespace testbed checks them against spine counters.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -77,7 +79,7 @@ if mode == "steered":
     t2 = eng.last_transfer()
     out = {"rc": [rc, rc2], "time_wait": time_wait_ports(t.dport)}
     for k, x in (("batch", t), ("single", t2)):
-        out[k] = {"dport": x.dport, "path": x.lease.path if x.lease else None, "port_paths": x.port_paths, "flow": list(x.lease.flow_id) if x.lease else None,
+        out[k] = {"dport": x.dport, "path": x.lease.path if x.lease else None, "port_paths": x.port_paths, "ecmp": x.ecmp, "flow": list(x.lease.flow_id) if x.lease else None,
                   "ports": x.ports, "steered": x.steered, "error": x.error,
                   "conns": [[c.sport, c.dport, c.steered] for c in x.connections]}
 else:  # the plain engine in a preloaded process (its own default, pooled lanes, or one-shot): observed only
@@ -182,9 +184,19 @@ from ark.integrations.mooncake import SteeredTransferEngine
 info, api, cluster, dport = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 cl = load(cluster)
 bucket = cl.pathmaps()(cl.host("gpu0").index, cl.host("gpu1").index, dport).buckets[0].tolist()
+def bindable(p):
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", p))
+        except OSError:  # in TIME_WAIT from an earlier run: taken all the same
+            return False
+    return True
+
 held = []
 for p in bucket[:4]:  # the ports the lease and its first more_ports will hand out: all taken
-    s = socket.socket(); s.bind(("0.0.0.0", p)); held.append(s)
+    if bindable(p):
+        s = socket.socket(); s.bind(("0.0.0.0", p)); held.append(s)
+free = [p for p in bucket[4:12] if bindable(p)]
 eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"})
 assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
 n = 4 << 20
@@ -194,9 +206,26 @@ q = n // 4
 rc = eng.batch_transfer_sync_write(f"127.0.0.2:{info['rpc']}", [src.ctypes.data + i * q for i in range(4)],
                                    [info["addr"] + i * q for i in range(4)], [q] * 4)
 t = eng.last_transfer()
-print(json.dumps({"rc": rc, "bucket": bucket[:12], "ports": t.ports, "port_paths": t.port_paths, "path": t.lease.path,
+print(json.dumps({"rc": rc, "bucket": bucket[:12], "free": free, "ports": t.ports, "port_paths": t.port_paths, "path": t.lease.path,
                   "conns": [[c.sport, c.steered] for c in t.connections], "resolves": t.stats.resolves}))
 """
+
+
+def test_with_every_path_taken_the_connections_are_left_to_ecmp(agents, tmp_path) -> None:
+    procs, _cl, _names = agents
+    with ArkClient(procs.api("gpu0")) as c, contextlib.ExitStack() as stack:
+        taken = [stack.enter_context(c.lease("gpu1", 10**9)) for _ in range(4)]  # every spine path, renewed
+        assert all(x.reserved for x in taken)
+        p, info, done = _receiver(tmp_path)
+        out = _send(info, procs.api("gpu0"), "steered")
+        assert out["rc"] == [0, 0] and _verified(p, done, 4 << 20)
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        for k in ("batch", "single"):
+            t = out[k]
+            # plain ECMP: no port bound, each connection hashed on its own ephemeral port
+            assert t["ecmp"] and t["ports"] == [] and not t["steered"]
+            assert all(c[2] is False and lo <= c[0] <= hi for c in t["conns"])
+        assert len({c[0] for c in out["batch"]["conns"]}) == 4
 
 
 def test_held_ports_are_stepped_over_with_more_ports_of_the_same_path(agents, tmp_path) -> None:
@@ -214,11 +243,11 @@ def test_held_ports_are_stepped_over_with_more_ports_of_the_same_path(agents, tm
     # The lease and its 3 more ports are held: the resolver is called again and gets 4 + 4 spares.
     assert out["path"] == 0 and out["ports"] == b[:12] and out["resolves"] == 2
     assert {int(k): v for k, v in out["port_paths"].items()} == dict.fromkeys(b[:12], 0)
-    assert out["conns"] == [[port, True] for port in b[4:8]]
+    assert len(out["free"]) >= 4 and out["conns"] == [[port, True] for port in out["free"][:4]]
 
 
 def _free_pair() -> int:
-    for lo in range(18000, 19000, 2):
+    for lo in random.sample(range(18000, 19998, 2), 999):  # a new map each run
         with socket.socket() as a, socket.socket() as b:
             try:
                 a.bind(("0.0.0.0", lo))

@@ -90,6 +90,11 @@ class Transfer:
         """Every connection of the call was bound to a port of its leased path."""
         return bool(self.connections) and all(c.steered for c in self.connections) and self.error is None
 
+    @property
+    def ecmp(self) -> bool:
+        """The lease reserved nothing (every path busy): the connections were left to ECMP."""
+        return self.lease is not None and not self.lease.reserved
+
 
 def pool_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether Mooncake's TCP transport would use pooled lanes (unset: its default, pooled)."""
@@ -207,6 +212,11 @@ class SteeredTransferEngine:
             t0 = time.perf_counter()
             t.dport = dport
             t.lease = stack.enter_context(client.lease(t.dst, t.nbytes, dport))
+            if not t.lease.reserved:
+                # Every path is taken: plain ECMP, which for a transfer of several connections
+                # means each hashed on its own (one port of one random path would pile them up).
+                t.reserve_s = time.perf_counter() - t0
+                return []
             # One port per expected connection; spares only when some are held (TIME_WAIT).
             path, more = client.more_ports(t.lease.flow_id, need - 1) if need > 1 else (t.lease.path, [])
             t.reserve_s = time.perf_counter() - t0

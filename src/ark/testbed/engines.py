@@ -126,4 +126,6 @@ def add_verdicts(rec: dict[str, Any], verdicts: dict[int, bool]) -> None:
     # How late the latest flow started after its planned time (a late start counts in its FCT).
     # Races lost while sending: the table moved the flow, its connection could not follow.
     rec["repathed_while_sending"] = sum(1 for fr in rec["flows"] if fr.get("repathed"))
+    # Leases that reserved nothing (every path busy): their connections were left to ECMP.
+    rec["ecmp_fallbacks"] = sum(1 for fr in rec["flows"] if fr.get("ecmp"))
     rec["start_late_max_s"] = max((fr.get("late_s") or 0.0 for fr in rec["flows"]), default=0.0)

@@ -159,9 +159,9 @@ def _flow(eng: Any, plan: EnginePlan, f: FlowSpec, src_addr: int, t0: float, out
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
                 t1 = time.time()  # every byte is in: the lease's release is bookkeeping
             conns, lease, port_paths = tr.connections, tr.lease, tr.port_paths
-            rec.update(reserve_s=tr.reserve_s, steer_error=tr.error, repathed=tr.repathed)
-            if lease is not None:
-                rec.update(path=lease.path, reserved=lease.reserved, lease_flow=list(lease.flow_id))
+            rec.update(reserve_s=tr.reserve_s, steer_error=tr.error, repathed=tr.repathed, ecmp=tr.ecmp)
+            if lease is not None:  # a lease that reserved nothing steers nothing: no path to check
+                rec.update(path=None if tr.ecmp else lease.path, reserved=lease.reserved, lease_flow=list(lease.flow_id))
         else:
             with Rule(plan.ips[f.dst], skip_port=plan.targets[f.dst].rpc_port, steer=False) as rule:
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
