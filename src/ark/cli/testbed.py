@@ -132,12 +132,15 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
               help="Who moves the bytes: the testbed's TCP senders, or Mooncake Transfer Engines (the mooncake extra).")
 @click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="mooncake: requests per KV flow (the engine opens one connection per request).")
+@click.option("--ecmp-agents", is_flag=True,
+              help="Start the agents in ECMP runs too, unused: both schemes pay their CPU (a control on a shared machine).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Also write every record (flows included) as JSON.")
 @click.option("--prefix", default="ark", show_default=True)
 @click.option("--state-dir", help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
 def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
-           engine: str, buffers: int, out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
+           engine: str, buffers: int, ecmp_agents: bool, out_file: str | None, prefix: str, state_dir: str | None,
+           as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark.testbed import run as tr
 
@@ -148,7 +151,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     for seed in seed_list:
         for scheme in schemes or ("ecmp", "ark"):
             p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
-                             engine=engine, buffers=buffers)
+                             engine=engine, buffers=buffers, ecmp_agents=ecmp_agents)
             records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
     if out_file:
         Path(out_file).write_text(json.dumps(_clean(records), indent=1))
@@ -163,7 +166,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
         t.add_column(col, justify="right")
     for r in records:
         pm = r["path_match_fraction"]
-        row = [r["scheme"], str(r["seed"]), f"{r['fct_mean_s']:.4f}", f"{r['fct_p95_s']:.4f}", str(r["errors"]),
+        row = [r["scheme"] + (" (agents up)" if r["ecmp_agents"] else ""), str(r["seed"]), f"{r['fct_mean_s']:.4f}", f"{r['fct_p95_s']:.4f}", str(r["errors"]),
                str(r["flows_per_spine"]), "-" if pm is None else f"{pm:.2%} of {r['path_checked']}",
                str(r["probes_sent"]), f"{r['probe_agreement_fraction']:.4%}"]
         if engine == "mooncake":

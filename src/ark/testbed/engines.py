@@ -85,7 +85,7 @@ def start_senders(tr: TestbedRun, t0: float) -> list[subprocess.Popen[bytes]]:
         pf.write_bytes(msgspec.json.encode(plan))
         argv = [sys.executable, "-m", "ark.testbed.mooncake", "send", "--plan", str(pf), "--src-ip", lay.host_ip(s),
                 "--t0", repr(t0), "--out", str(tr.work / f"out-gpu{s}.json")]
-        if s in tr.apis:
+        if s in tr.apis and tr.params.scheme != "ecmp":
             argv += ["--api", tr.apis[s]]
         out.append(tr._spawn(s, argv, f"send-gpu{s}.log", env))
     tr.progress(f"{len(tr.flows)} flows from {len(tr.senders)} Mooncake senders, {tr.params.buffers} request(s) each")

@@ -58,6 +58,9 @@ class RunParams:
     fail_link: tuple[int, int, float] | None = None
     engine: str = "builtin"
     buffers: int = 1  # mooncake: requests (one connection each) per KV flow
+    # A control on a machine where every host shares a few cores: ECMP runs start the agents
+    # too (and ask them nothing), so both schemes pay their CPU.
+    ecmp_agents: bool = False
 
     def check(self, st: State) -> None:
         if self.scheme not in TESTBED_SCHEMES:
@@ -155,7 +158,7 @@ class TestbedRun:
             pf.write_bytes(msgspec.json.encode(plan))
             argv = [sys.executable, "-m", "ark.testbed.transfer", "send", "--plan", str(pf), "--src-ip",
                     lay.host_ip(s), "--t0", repr(t0), "--out", str(self.work / f"out-gpu{s}.json")]
-            if s in self.apis:
+            if s in self.apis and self.params.scheme != "ecmp":
                 argv += ["--api", self.apis[s]]
             out.append(self._spawn(s, argv, f"send-gpu{s}.log"))
         self.progress(f"{len(self.flows)} flows from {len(self.senders)} senders")
@@ -200,7 +203,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
     verified = None
     try:
         receivers = tr.start_receivers()
-        if params.scheme != "ecmp":
+        if params.scheme != "ecmp" or params.ecmp_agents:
             tr.start_agents(cluster)
         tr.wait_receivers(receivers)
         counters = _send(tr, pairs, cluster, change)
@@ -267,7 +270,8 @@ def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[d
     checked = [fr["path_match"] for fr in per_flow if "path_match" in fr]
     fct = np.asarray([r["fct_s"] for r in per_flow if r["fct_s"] is not None])
     rec: dict[str, Any] = {
-        "scheme": params.scheme, "engine": params.engine, "buffers": params.buffers, "qps": params.qps, "seed": params.seed, "requests": params.requests,
+        "scheme": params.scheme, "engine": params.engine, "buffers": params.buffers,
+        "ecmp_agents": params.ecmp_agents and params.scheme == "ecmp", "qps": params.qps, "seed": params.seed, "requests": params.requests,
         "scale": st.spec.scale, "link_mbps": st.spec.link_gbps * st.spec.scale * 1e3,
         "offered_load": round(load, 4), "hash_policy": st.spec.hash_policy,
         "fct_mean_s": float(fct.mean()) if len(fct) else math.nan,
