@@ -248,7 +248,7 @@ def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
     fr: dict[str, Any] = {"id": r["id"], "src": f"gpu{f.src}", "dst": f"gpu{f.dst}", "bytes": f.nbytes,
                           "start_s": f.start_s, "sport": r["sport"], "fct_s": r.get("fct_s"),
                           "error": r["error"], "spine": segs[0]["spine"] if segs else None, "segments": segs}
-    fr.update({k: r[k] for k in ("late_s", "connections", "steer_error", "repathed", "ecmp") if k in r})  # engines
+    fr.update({k: r[k] for k in ("late_s", "connections", "steer_error", "repathed", "ecmp", "reserve_s") if k in r})
     if params.scheme != "ecmp" and r["path"] is not None and lay.leaf_of(f.src) != lay.leaf_of(f.dst):
         fr.update(reserved_spine=r["path"], reserved=r["reserved"], reserve_s=r.get("reserve_s"))
         # Matched: on every connection of the flow, every payload byte crossed the spine
