@@ -23,8 +23,9 @@ import random
 import sys
 from dataclasses import dataclass, field
 
+from ark.core.lease import LeasePolicy
 from ark.core.messages import FlowId
-from ark.core.node import K_HELLO, LeasePolicy, Node, NotReady, Output, Publish, decode_envelope
+from ark.core.node import K_HELLO, Node, NodeLimits, NotReady, Output, Publish, decode_envelope
 from ark.core.pathmap import PathMapCache
 from ark.core.topology import spine_leaf
 
@@ -34,6 +35,7 @@ N = FABRIC.n_hosts
 LEASE = LeasePolicy(min_s=0.4, slack=2.0)
 GRACE = 0.05
 TICK = 0.02
+CLOCK_BOUND = 0.1  # max_clock_offset_s: a host further off stops reserving
 
 
 class Violation(AssertionError):
@@ -49,6 +51,9 @@ class Faults:
     skew: float
     partitions: bool
     crashes: bool
+    # One host's clock off by this much (signed): within CLOCK_BOUND it must keep
+    # reserving safely; beyond it, it must stop reserving instead of double-booking.
+    outlier: float = 0.0
 
     @classmethod
     def draw(cls, rng: random.Random) -> Faults:
@@ -60,7 +65,12 @@ class Faults:
             skew=rng.choice([0.0, 1e-4, 2e-3]),
             partitions=rng.random() < 0.5,
             crashes=rng.random() < 0.5,
+            outlier=rng.choice([0.0, 0.0, 0.04, -0.04, 0.3, -0.3]),
         )
+
+    @property
+    def max_offset(self) -> float:
+        return 2 * self.skew + abs(self.outlier)
 
 
 @dataclass
@@ -83,6 +93,7 @@ class Sim:
         self.rng = random.Random(self.seed)
         self.faults = Faults.draw(self.rng)
         self.skew = [self.rng.uniform(-self.faults.skew, self.faults.skew) for _ in range(N)]
+        self.skew[self.rng.randrange(N)] += self.faults.outlier
         self.incarnation = [1] * N
         self.heap: list[tuple[float, int, str, tuple]] = []
         self.seq = 0
@@ -107,7 +118,7 @@ class Sim:
             i, FABRIC, MAPS, [p for p in range(N) if p != i],
             incarnation=self.incarnation[i], seed=self.seed * 31 + i, lease=LEASE,
             heartbeat_s=0.1, peer_timeout_s=0.5, sync_timeout_s=0.3, retention_s=5.0,
-            expiry_grace_s=GRACE,
+            expiry_grace_s=GRACE, limits=NodeLimits(max_clock_offset_s=CLOCK_BOUND),
         )
 
     def _push(self, at: float, kind: str, data: tuple) -> None:
@@ -143,6 +154,8 @@ class Sim:
                 now = self.local(d)
                 outs = node.on_publish(src, raw, now) if chan == "pub" else node.on_request(src, raw, now)
                 self._emit(d, outs)
+                if self.rng.random() < 0.5:  # the agent flushes after a batch of messages
+                    node.flush()
                 self.check_host(d)
             elif kind == "tick":
                 i, inc = data
@@ -236,7 +249,7 @@ class Sim:
             if c is not None:
                 c.alive = False
             # Its reservations must vanish everywhere within one lease (plus skew, grace).
-            self.gone_by[f] = self.t + node.lease_of(f).expires - self.local(i) + 2 * self.faults.skew + 0.2
+            self.gone_by[f] = self.t + node.lease_of(f).expires - self.local(i) + self.faults.max_offset + 0.2
         self.nodes[i] = None
         self._push(self.t + self.rng.uniform(0.05, 1.0), "restart", (i,))
 
@@ -302,7 +315,7 @@ class Sim:
         self.heap = held
         heapq.heapify(self.heap)
         saved = self.faults
-        self.faults = Faults(0.0, 0.0, saved.delay, saved.jitter, saved.skew, False, False)
+        self.faults = Faults(0.0, 0.0, saved.delay, saved.jitter, saved.skew, False, False, saved.outlier)
         self.run_until(self.t + period)
         for _ in range(1000):  # drain whatever protocol traffic is still in flight
             busy = [e[0] for e in self.heap if e[2] == "msg" and decode_envelope(e[3][3]).kind != K_HELLO]
@@ -328,6 +341,32 @@ class Sim:
             for f, (_dst, path, _port, reserved) in n.core.local_flows().items():
                 if reserved and f in table and table[f][0] != path:
                     self.fail(f"host {n.host} flow {f} on path {path} but the table says {table[f][0]}")
+        self.check_no_double_booking(nodes)
+
+    def check_no_double_booking(self, nodes: list[Node]) -> None:
+        """What owners believe they hold, every replica holds: no link has two exclusive holders.
+
+        A reserved local flow missing from a replica's table (its lease already over on
+        that replica's clock) would let that replica's host take the same links. A host
+        that stopped reserving (skewed clock) takes no links, so its table is not judged.
+        """
+        for n in nodes:
+            for f, (_dst, path, _port, reserved) in n.core.local_flows().items():
+                if not reserved:
+                    continue
+                if n.skewed:
+                    self.fail(f"host {n.host} stopped reserving ({n.skewed}) but flow {f} still claims a path")
+                for m in nodes:
+                    if m.skewed:
+                        continue
+                    held = m.core.table(at=self.local(m.host)).get(f)
+                    if held is None or held[0] != path:
+                        self.fail(f"host {n.host} flow {f} holds path {path}; host {m.host} (clock "
+                                  f"{self.skew[m.host]:+.3f}) has {held}")
+        offset = max(abs(x) for x in self.skew)
+        skewed = [n.host for n in nodes if n.skewed]
+        if offset < CLOCK_BOUND / 2 and skewed:
+            self.fail(f"hosts {skewed} stopped reserving with clocks within {offset:.3f} s")
 
 
 def run(seed: int, steps: int = 120, quiet_every: int = 40) -> Sim:

@@ -278,7 +278,7 @@ def test_an_unreachable_agent_leaves_the_write_unsteered(tmp_path) -> None:
     p, info, done = _receiver(tmp_path / "a")
     out = _send(info, f"ipc://{tmp_path}/nobody.sock", "steered")
     assert out["rc"] == [0, 0] and _verified(p, done, 4 << 20)
-    assert not out["batch"]["steered"] and "no answer" in out["batch"]["error"]
+    assert not out["batch"]["steered"] and "no agent at" in out["batch"]["error"]
     assert all(c[2] is False for c in out["batch"]["conns"])
 
 

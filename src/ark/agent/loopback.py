@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -55,6 +56,7 @@ def write_cluster(
     heartbeat_s: float = 0.25,
     extra_hosts: int = 0,
     spines: int = 4,
+    peer_rate: float = 2000.0,
 ) -> tuple[Path, list[str]]:
     """Keys and a cluster file for ``n`` agents on a 2-leaf fabric with ``spines`` spines.
 
@@ -67,11 +69,12 @@ def write_cluster(
     ports = free_ports(total)
     hosts = []
     for i, name in enumerate(names):
-        public, _secret = create_keypair(workdir / "keys", name)
+        kp = create_keypair(workdir / "keys", name)
         hosts.append(HostTable(name=name, control=f"tcp://127.0.0.1:{ports[i]}", api=f"ipc://{workdir}/api/{name}.sock",
-                               public_key=public, secret_key_file=f"keys/{name}.key_secret"))
+                               public_key=kp.public_key, sign_key=kp.sign_key, secret_key_file=f"keys/{name}.key_secret"))
     settings = ClusterSettings(policy=policy, lease_min_s=lease_min_s, heartbeat_s=heartbeat_s,
-                               peer_timeout_s=1.0, sync_timeout_s=1.0)
+                               peer_timeout_s=max(1.0, 2 * heartbeat_s), sync_timeout_s=1.0,
+                               max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state", peer_rate=peer_rate)
     path = ClusterFile(cluster=settings, fabric=FabricConfig(leaves=2, spines=spines, gpus_per_leaf=per_leaf),
                        hosts=hosts).save(workdir / "cluster.toml")
     return path, names
@@ -82,16 +85,23 @@ class AgentProcs:
     cluster_file: Path
     names: list[str]
     workdir: Path
+    fd_limit: int | None = None  # start the agents under this descriptor limit (soft and hard)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def api(self, name: str) -> str:
         return f"ipc://{self.workdir}/api/{name}.sock"
 
     def start(self, name: str) -> None:
+        limit = self.fd_limit
+
+        def limited() -> None:  # in the child, before exec
+            if limit is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+
         with open(self.workdir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "ark", "agent", "--cluster", str(self.cluster_file), "--host", name],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=limited if limit else None,
             )
 
     def cpu_s(self) -> float:
@@ -212,8 +222,10 @@ class LoopbackRun:
         r = self.report
         r["races"] = int(sum(s["core"]["races_lost"] for s in st.values()))
         r["invalid_messages"] = int(sum(s["node"]["invalid"] + s["core"]["invalid"] for s in st.values()))
-        for counter in ("gaps", "sync_applied", "digest_mismatches", "unsent"):
+        for counter in ("gaps", "sync_applied", "digest_mismatches", "unsent", "received", "errors", "rate_limited"):
             r[counter] = int(sum(s["node"].get(counter, 0) for s in st.values()))
+        r["messages_received"] = r.pop("received")
+        r["sync_merge_fraction"] = round(r["sync_applied"] / max(1, r["messages_received"]), 5)
         r["propagation_loaded_ms_p50"] = _ms_percentile(loaded, 50)
         r["propagation_loaded_ms_p99"] = _ms_percentile(loaded, 99)
         self._stop_renew.set()
@@ -359,9 +371,11 @@ def run_cluster(
     policy: str = "ark",
     paced_cycles: int = 200,
     paced_rate: float = 50.0,
+    hogs: int = 0,
 ) -> dict[str, Any]:
     """Start ``agents`` agents, drive ``flows`` reserve+release cycles, optionally
-    SIGKILL ``kill`` agents halfway and restart them; report what happened.
+    SIGKILL ``kill`` agents halfway and restart them; report what happened. ``hogs``
+    busy processes run beside the agents all along (an overloaded host).
 
     RESERVE propagation is measured twice: on a quiet fabric (``paced_cycles`` one at a
     time at ``paced_rate`` per second: ``propagation_ms_*``) and under the full load
@@ -381,9 +395,12 @@ def run_cluster(
         cfile, names = write_cluster(wd, agents, policy=policy, lease_min_s=lease_min_s, spines=max(4, agents))
         procs = AgentProcs(cfile, names, wd)
         stack.callback(procs.stop_all)
+        for _ in range(hogs):
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+            stack.callback(hog.kill)
         run = LoopbackRun(procs, load_cluster(cfile), seed=seed, lease_min_s=lease_min_s)
         stack.callback(run.close)
-        run.report.update(agents=agents, flows_requested=flows, killed=kill)
+        run.report.update(agents=agents, flows_requested=flows, killed=kill, hogs=hogs)
         run.start()
         live_equal = run.hold()
         run.paced(min(paced_cycles, flows), paced_rate)
@@ -416,41 +433,3 @@ def _drive(run: LoopbackRun, load: Load) -> None:
     r["load_s"] = round(load_s, 3)
     r["cycles_per_s"] = round(load.done / load_s, 1) if load_s > 0 else 0.0
     r["client_errors"] = len(load.errors)
-
-
-def thread_cpu_s(pids: list[int]) -> dict[str, float]:
-    """CPU seconds per thread name (summed over processes): where an agent's time goes."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for t in Path(f"/proc/{pid}/task").iterdir():
-                st = (t / "stat").read_text()
-                name = "main" if t.name == str(pid) else st[st.index("(") + 1:st.rindex(")")]
-                f = st.rsplit(")", 1)[1].split()
-                out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
-    return out
-
-
-def idle_cpu(agents: int, seconds: float, heartbeat_s: float = 0.25) -> dict[str, Any]:
-    """CPU of ``agents`` idle agents (no flows) over ``seconds``, per thread kind."""
-    with tempfile.TemporaryDirectory(prefix="ark-idle-") as d:
-        wd = Path(d)
-        (wd / "api").mkdir()
-        cfile, names = write_cluster(wd, agents, heartbeat_s=heartbeat_s, spines=max(4, agents))
-        procs = AgentProcs(cfile, names, wd)
-        try:
-            for n in names:
-                procs.start(n)
-            procs.wait_ready(names)
-            time.sleep(1.0)
-            pids = [p.pid for p in procs.procs.values()]
-            before, t0 = thread_cpu_s(pids), time.monotonic()
-            time.sleep(seconds)
-            after, wall = thread_cpu_s(pids), time.monotonic() - t0
-        finally:
-            procs.stop_all()
-    per_thread = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(after)}
-    total = sum(per_thread.values())
-    return {"agents": agents, "seconds": round(wall, 2), "heartbeat_s": heartbeat_s, "cpu_s": round(total, 3),
-            "cpu_s_by_thread": per_thread, "cpu_percent_per_agent": round(100 * total / wall / agents, 3)}

@@ -36,8 +36,9 @@ def keygen(out_dir: str, name: str) -> None:
     """Write a CURVE key pair: NAME.key (public) and NAME.key_secret."""
     from ark.agent.keys import create_keypair
 
-    public, sec_file = create_keypair(out_dir, name)
-    out.print(f"public_key = \"{public}\"  (secret: {sec_file})", highlight=False)
+    kp = create_keypair(out_dir, name)
+    out.print(f"public_key = \"{kp.public_key}\"\nsign_key = \"{kp.sign_key}\"\n# secret: {kp.secret_file}",
+              highlight=False)
 
 
 def _client_for(cluster_path: str, host: str) -> Any:
@@ -129,14 +130,16 @@ def _engine_table() -> None:
 @click.option("--kill", type=click.IntRange(min=0), default=0, show_default=True, help="Agents to SIGKILL halfway and restart.")
 @click.option("--lease", "lease_min_s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Minimum lease (s).")
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--hog", "hogs", type=click.IntRange(0, 64), default=0, show_default=True,
+              help="Busy processes beside the agents all along (an overloaded host).")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, as_json: bool) -> None:
+def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, hogs: int, as_json: bool) -> None:
     """Start N real agents on loopback, drive reserve/release cycles, report."""
     from ark.agent.loopback import run_cluster
 
     if kill >= agents:
         raise click.BadParameter(f"must be below --agents ({agents})", param_hint="--kill")
-    res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s)
+    res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s, hogs=hogs)
     if as_json:
         click.echo(json.dumps(res, indent=1))
         return

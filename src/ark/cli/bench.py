@@ -72,7 +72,7 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
 @click.option("--json", "as_json", is_flag=True)
 def bench_idle(agents: int, seconds: float, heartbeat: float, as_json: bool) -> None:
     """CPU of idle agents on loopback (no flows): what heartbeats and timers cost."""
-    from ark.agent.loopback import idle_cpu
+    from ark.agent.bench import idle_cpu
 
     res = idle_cpu(agents, seconds, heartbeat)
     if as_json:
@@ -80,6 +80,58 @@ def bench_idle(agents: int, seconds: float, heartbeat: float, as_json: bool) -> 
         return
     out.print(f"{agents} idle agents, {res['seconds']} s: {res['cpu_s']} CPU-s "
               f"({res['cpu_percent_per_agent']}% of a core per agent); by thread {res['cpu_s_by_thread']}")
+
+
+def _print_json_or_line(res: dict[str, object], as_json: bool, line: str) -> None:
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+    else:
+        out.print(line, highlight=False)
+
+
+@bench.command("flood")
+@click.option("--rate", type=click.FloatRange(min=1), default=10_000, show_default=True, help="Hostile messages/s from one peer.")
+@click.option("--seconds", type=click.FloatRange(min=1), default=10.0, show_default=True)
+@click.option("--peer-rate", type=click.FloatRange(min=10), default=2000.0, show_default=True, help="The agents' peer_rate.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_flood(rate: float, seconds: float, peer_rate: float, as_json: bool) -> None:
+    """A listed peer floods an agent with hostile messages; local API latency meanwhile."""
+    from ark.agent.bench import flood
+
+    r = flood(rate, seconds, peer_rate)
+    _print_json_or_line(r, as_json, f"{r['sent']} hostile messages in {seconds:g} s: local API p50 "
+                        f"{r['api_ms_p50']} ms, p99 {r['api_ms_p99']} ms over {r['api_requests']} requests "
+                        f"({r['api_errors']} errors); agent RSS {r['rss_mb_before']} -> {r['rss_mb_after']} MiB, "
+                        f"{r['agent_cpu_s']} CPU-s, alive {r['alive']}")
+
+
+@bench.command("hostile")
+@click.option("--messages", type=click.IntRange(min=6), default=1_000_000, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_hostile(messages: int, as_json: bool) -> None:
+    """A listed peer sends hostile messages of every kind as fast as it can: agent memory."""
+    from ark.agent.bench import hostile_memory
+
+    r = hostile_memory(messages)
+    _print_json_or_line(r, as_json, f"{r['received']} of {r['messages']} hostile messages taken in {r['seconds']} s: "
+                        f"RSS {r['rss_mb_before']} -> peak {r['rss_mb_peak']} MiB (+{r['growth_mb']}); "
+                        f"{r['invalid']} counted invalid, {r['reservations']} reservations, ready {r['ready']}")
+
+
+@bench.command("unauth")
+@click.option("--announce-mb", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--connections", type=click.IntRange(min=0), default=3, show_default=True)
+@click.option("--idle", type=click.IntRange(min=0), default=1100, show_default=True)
+@click.option("--fd-limit", type=click.IntRange(min=64), default=1024, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_unauth(announce_mb: int, connections: int, idle: int, fd_limit: int, as_json: bool) -> None:
+    """Strangers without keys: huge handshake frames, then idle connections under a descriptor limit."""
+    from ark.agent.bench import unauthenticated
+
+    r = unauthenticated(announce_mb, connections, idle, fd_limit)
+    _print_json_or_line(r, as_json, f"RSS {r['rss_mb_before']} -> {r['rss_mb_after_announce']} (announces) -> "
+                        f"{r['rss_mb_after_idle']} MiB ({r['idle_connections']} idle connections, "
+                        f"{r['connections_shed']} shed); local API answered in {r['api_ms']} ms; alive {r['alive']}")
 
 
 @bench.command("steer")

@@ -82,6 +82,17 @@ PathMaps = Callable[[int, int, int], PathMap]  # (src, dst, dport) -> map
 LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seconds
 INF = float("inf")
 _NO_END_BUCKET = 2**62
+_EVERYTHING: Key = (-INF, -1, -1)  # a deferred full recomputation
+
+
+def _bucket_of(t: float) -> int:
+    """The 100 ms digest bucket of a time; clamped, so no finite or infinite time overflows."""
+    v = t * _BUCKETS_PER_S
+    if v != v:
+        raise CoreError("time: NaN")
+    if v >= _NO_END_BUCKET:
+        return _NO_END_BUCKET
+    return -_NO_END_BUCKET if v <= -_NO_END_BUCKET else math.floor(v)
 _BUCKETS_PER_S = 10
 
 
@@ -99,6 +110,26 @@ def deadline_after(t: float, offset: float, *, strict: bool) -> float:
 
 class CoreError(ValueError):
     """A local API misuse (unknown host, unknown flow, bad argument)."""
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    """Bounds on what other hosts and local clients can make a replica keep.
+
+    ``max_flows_per_host``: reservations of one owner a replica holds (a RESERVE beyond
+    it is dropped and counted); ``max_early_per_host``: releases and renewals of one
+    owner's still unknown flows kept for later; ``max_dports``: destination ports with
+    path maps and port buckets at once (the least recently used idle one is dropped).
+    """
+
+    max_flows_per_host: int = 4096
+    max_early_per_host: int = 1024
+    max_dports: int = 8
+
+    @classmethod
+    def unbounded(cls) -> CoreLimits:
+        """For a replica that only trusted code feeds (the simulator, benchmarks)."""
+        return cls(2**62, 2**62, 2**16)
 
 
 @dataclass(slots=True)
@@ -183,6 +214,7 @@ class Counters:
     duplicates: int = 0
     stale: int = 0
     invalid: int = 0
+    overflow: int = 0  # dropped: an owner over its share of the table (CoreLimits)
     recomputes: int = 0
     partial_recomputes: int = 0
 
@@ -240,6 +272,7 @@ class ArkCore:
         lease: LeaseFn | None = None,
         expiry_grace_s: float = 0.25,
         seq_base: int = 0,
+        limits: CoreLimits | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -283,23 +316,33 @@ class ArkCore:
         # Entries whose end is after _expired_upto: all a partial recomputation needs
         # to know about the past.
         self._live: set[FlowId] = set()
-        self._digest_buckets: dict[int, int] = {}
+        # Per owner: XOR of (flow, end) hashes per 100 ms of end time (see state_digest).
+        self._digest_buckets: dict[int, dict[int, int]] = {}
         self._digest_of: dict[FlowId, tuple[int, int]] = {}
+        self.limits = limits or CoreLimits.unbounded()
+        self._per_owner: dict[int, int] = {}  # entries held per owner host
+        self._early_per_owner: dict[int, int] = {}
+        self._dports: dict[int, None] = {}  # destination ports in use, least recent first
         self._purge_heap: list[tuple[float, FlowId]] = []  # for forgetting
         self._rates: dict[tuple[int, int], float] = {}
         self._horizon = -INF
+        # Recomputation is deferred while messages arrive in a batch (see flush()).
+        self._pending: Key | None = None
+        self._settled: list[Repath] = []  # events of a deferred recomputation, not yet returned
         self._handlers: dict[type, Callable[[Any], list[Repath]]] = {
             Reserve: self._on_reserve, Release: self._on_release, Renew: self._on_renew,
         }
 
     # ------------------------------------------------------------------ owner API
     def request(
-        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None
+        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,
+        *, reserve: bool = True,
     ) -> Decision:
         """Pick a path and source port for a new flow to ``dst`` and reserve it.
 
         ``prefer_port``: keep this source port if the path it leads to is free (a
-        re-pathed flow then needs no new connection).
+        re-pathed flow then needs no new connection). ``reserve=False``: a random port,
+        nothing reserved (plain ECMP; a host whose clock cannot be trusted does this).
         """
         if not 0 <= dst < self._n_hosts or dst == self.host:
             raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
@@ -307,6 +350,7 @@ class ArkCore:
             raise CoreError(f"nbytes: must be >= 0; got {nbytes}")
         if not 0 <= dport <= 0xFFFF:
             raise CoreError(f"dport: must be 0..65535; got {dport}")
+        self._settle()
         self.counters.requests += 1
         self._seq += 1
         flow = (self.host, self._seq)
@@ -315,6 +359,11 @@ class ArkCore:
         if not stages:  # intra-leaf: nothing to choose, nothing to reserve
             return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False)
         n = len(stages[0])
+        if not reserve:
+            port = self._random_port(buckets)
+            return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
+        if self._per_owner.get(self.host, 0) >= self.limits.max_flows_per_host:
+            raise CoreError(f"flows: this host holds {self.limits.max_flows_per_host} reservations (the limit)")
         path, pinned = self._free_path(dst, n, buckets, prefer_port)
         shared = False
         if path is None:
@@ -346,7 +395,7 @@ class ArkCore:
     def _unreserved(self, flow: FlowId, dst: int, dport: int, path: int, port: int, *, fallback: bool) -> Decision:
         self._own[flow] = _Own(flow, dst, dport, path, port, False)
         return Decision(flow, dst, dport, path, port, flow_label_for_sport(port),
-                        reserved=False, shared=False, fallback=fallback, messages=())
+                        reserved=False, shared=False, fallback=fallback, messages=(), events=tuple(self.flush()))
 
     def _reserve(
         self, flow: FlowId, dst: int, dport: int, path: int, port: int, nbytes: int, now: float, shared: bool
@@ -360,7 +409,7 @@ class ArkCore:
         self.counters.reserved += 1
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
         # recomputation may move other local flows: report those as events.
-        events = tuple(e for e in self._insert(msg) if e.flow != flow)
+        events = tuple(e for e in [*self._insert(msg), *self.flush()] if e.flow != flow)
         own = self._own[flow]
         return Decision(
             flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
@@ -370,6 +419,7 @@ class ArkCore:
 
     def select_path(self, dst: int) -> int | None:
         """The lowest-index path to ``dst`` whose links are all free (None if none)."""
+        self._settle()
         stages = self._stage_list(self.host, dst)
         if not stages:
             return 0
@@ -388,22 +438,41 @@ class ArkCore:
         own = self._own.pop(flow, None)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
+        self._settle()
         buckets = self._bucket(own.dst, own.dport)
         for port in (own.port, *own.stale, *own.extra):
             buckets.give(port)
-        if flow not in self._entries:
-            return Released((), ())
+        entry = self._entries.get(flow)
         msg = Release(flow, float(now))
-        entry = self._entries[flow]
-        if entry.released is not None or msg.ts < entry.msg.ts:
-            return Released((), ())
-        return Released((msg,), tuple(self._apply_release(msg)))
+        if entry is None or entry.released is not None or msg.ts < entry.msg.ts:
+            return Released((), tuple(self.flush()))
+        self._apply_release(msg)
+        return Released((msg,), tuple(self.flush()))
+
+    def unreserve(self, flow: FlowId, now: float) -> Released:
+        """Give up a local flow's reservation but keep the flow (and its port) running.
+
+        The flow goes on as plain ECMP; peers learn from the RELEASE that its links are
+        free. Used when this host can no longer keep its promises (a skewed clock).
+        """
+        own = self._own.get(flow)
+        if own is None:
+            raise CoreError(f"flow: {flow} is not an active local flow")
+        self._settle()
+        entry = self._entries.get(flow)
+        own.reserved = False
+        if entry is None or entry.released is not None or now < entry.msg.ts:
+            return Released((), tuple(self.flush()))
+        msg = Release(flow, float(now))
+        self._apply_release(msg)
+        return Released((msg,), tuple(e for e in self.flush() if e.flow != flow))
 
     def renew(self, flow: FlowId, now: float) -> tuple[Message, ...]:
         """Extend a local reservation's lease by a full lease from ``now``."""
         own = self._own.get(flow)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
+        self._settle()
         entry = self._entries.get(flow)
         if entry is None or self._lease is None or entry.released is not None:
             return ()
@@ -417,6 +486,7 @@ class ArkCore:
     def more_ports(self, flow: FlowId, n: int) -> list[int]:
         """Up to ``n`` more free source ports of a local flow's path, claimed for the flow
         until it is released; fewer (or none) when its bucket has no more free ports."""
+        self._settle()  # the flow's path as every deferred message leaves it
         own = self._own.get(flow)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
@@ -432,8 +502,12 @@ class ArkCore:
         own.extra.extend(out)
         return out
 
-    def receive(self, msg: Message, now: float, sender: int | None = None) -> list[Repath]:
-        """Apply a peer's message; returns changes to local flows (races lost)."""
+    def receive(self, msg: Message, now: float, sender: int | None = None, *, defer: bool = False) -> list[Repath]:
+        """Apply a peer's message; returns changes to local flows (races lost).
+
+        ``defer``: leave a forced re-evaluation for :meth:`flush` (a batch of messages
+        then costs one); the changes come back from that call instead.
+        """
         self.counters.received += 1
         if sender is not None and msg.flow[0] != sender:
             self.counters.invalid += 1
@@ -442,7 +516,8 @@ class ArkCore:
         if handler is None:
             self.counters.invalid += 1
             return []
-        return handler(msg)
+        events = handler(msg)
+        return events if defer else [*events, *self.flush()]
 
     def _on_reserve(self, msg: Reserve) -> list[Repath]:
         if not self._valid_reserve(msg):
@@ -464,6 +539,9 @@ class ArkCore:
             # they can be released.)
             self.counters.stale += 1
             return []
+        if self._per_owner.get(msg.flow[0], 0) >= self.limits.max_flows_per_host:
+            self.counters.overflow += 1
+            return []
         return self._insert(msg)
 
     def _on_release(self, msg: Release) -> list[Repath]:
@@ -473,7 +551,7 @@ class ArkCore:
                 self.counters.stale += 1
             elif msg.flow in self._early_release and self._early_release[msg.flow] <= msg.ts:
                 self.counters.duplicates += 1
-            else:
+            elif self._early_room(msg.flow, msg.flow not in self._early_release):
                 self._early_release[msg.flow] = msg.ts
             return []
         if entry.released is not None and entry.released <= msg.ts:
@@ -486,6 +564,24 @@ class ArkCore:
             return []
         return self._apply_release(msg)
 
+    def _early_room(self, flow: FlowId, new: bool) -> bool:
+        """Count a new early release/renewal of ``flow``'s owner; False when over the cap."""
+        if not new:
+            return True
+        n = self._early_per_owner.get(flow[0], 0)
+        if n >= self.limits.max_early_per_host:
+            self.counters.overflow += 1
+            return False
+        self._early_per_owner[flow[0]] = n + 1
+        return True
+
+    def _early_gone(self, flow: FlowId) -> None:
+        n = self._early_per_owner.get(flow[0], 0) - 1
+        if n > 0:
+            self._early_per_owner[flow[0]] = n
+        else:
+            self._early_per_owner.pop(flow[0], None)
+
     def _on_renew(self, msg: Renew) -> list[Repath]:
         entry = self._entries.get(msg.flow)
         if entry is None:
@@ -493,7 +589,7 @@ class ArkCore:
                 self.counters.stale += 1
             else:
                 old_r = self._early_renew.get(msg.flow)
-                if old_r is None or old_r.expires < msg.expires:
+                if (old_r is None or old_r.expires < msg.expires) and self._early_room(msg.flow, old_r is None):
                     self._early_renew[msg.flow] = msg
             return []
         if msg.ts < entry.msg.ts or msg.expires < entry.msg.ts:
@@ -509,9 +605,11 @@ class ArkCore:
     def tick(self, now: float) -> list[Repath]:
         """Let time pass: expire leases, forget old reservations.
 
-        Returns changes to local flows whose lease ran out (they no longer hold a path).
+        Returns changes to local flows whose lease ran out (they no longer hold a path),
+        and any a deferred recomputation made.
         """
-        events: list[Repath] = []
+        self._settle()
+        events: list[Repath] = self.flush()
         upto = now - self.expiry_grace_s
         if upto > self._expired_upto:
             self._expired_upto = upto
@@ -543,6 +641,11 @@ class ArkCore:
                 if e.held:  # unreachable: the grace is shorter than the retention
                     self._unhold(flow, self._links(e.msg, e.path))  # type: ignore[arg-type]
                 del self._entries[flow]
+                n = self._per_owner[flow[0]] - 1
+                if n:
+                    self._per_owner[flow[0]] = n
+                else:
+                    del self._per_owner[flow[0]]
                 self._live.discard(flow)
                 self._digest_set(flow, None)
                 i = bisect_left(self._keys, e.msg.key)
@@ -556,6 +659,7 @@ class ArkCore:
             for d in (self._early_release, self._early_renew):
                 for f in [f for f, t in d.items() if (t if isinstance(t, float) else t.ts) < horizon]:
                     del d[f]
+                    self._early_gone(f)
         return events
 
     def next_deadline(self) -> float:
@@ -581,10 +685,12 @@ class ArkCore:
 
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
         """Assignments that can no longer be recomputed here (see ``_Entry.frozen``)."""
+        self._settle()
         return {f: (e.path, e.shared) for f, e in self._entries.items() if e.frozen}
 
     def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]]) -> list[Repath]:
         """Take a peer's frozen assignments (a joiner cannot recompute them itself)."""
+        self._settle()
         changed = False
         for f, (path, shared) in assignments.items():
             e = self._entries.get(f)
@@ -603,6 +709,7 @@ class ArkCore:
         The table is a function of the message set, so a replica that applies these
         converges to this one's table.
         """
+        self._settle()
         out: list[Message] = []
         for key in self._keys:
             e = self._entries[(key[1], key[2])]
@@ -623,6 +730,7 @@ class ArkCore:
         ``at=T``: exactly the reservations that hold links at instant ``T``, a pure function
         of the messages held (for comparing replicas whose clocks differ).
         """
+        self._settle()
         if at is None:
             return {f: (e.path, e.shared) for f, e in self._entries.items() if e.held and e.path is not None}
         return {
@@ -633,24 +741,32 @@ class ArkCore:
 
     def entries(self) -> dict[FlowId, tuple[Reserve, float | None, int | None, bool]]:
         """Everything the replica knows: flow -> (reserve, released ts, path, shared)."""
+        self._settle()
         return {f: (e.msg, e.released, e.path, e.shared) for f, e in self._entries.items()}
 
-    def state_digest(self, since: float, until: float = INF) -> bytes:
-        """Digest of what this replica knows about reservations ending in
-        [``since``, ``until``): (flow, end) pairs. Equal message sets give equal digests.
+    def state_digest(self, since: float, until: float = INF, owner: int | None = None) -> bytes:
+        """Digest of what this replica knows about reservations (of ``owner``, or of every
+        host) ending in [``since``, ``until``): (flow, end) pairs. Equal message sets give
+        equal digests.
 
         Bounds are rounded down to 100 ms. A window that closes a little in the past
         ignores what is still in flight or still being renewed."""
         # XOR of per-entry hashes kept per 100 ms of end time: order-free and cheap.
         # Python's hash of ints and floats is not salted, so every process computes
         # the same value.
-        lo = math.floor(since * _BUCKETS_PER_S)
-        hi = _NO_END_BUCKET + 1 if until == INF else math.floor(until * _BUCKETS_PER_S)
+        lo = _bucket_of(since)
+        hi = _NO_END_BUCKET + 1 if until == INF else _bucket_of(until)
+        owners = self._digest_buckets.values() if owner is None else [self._digest_buckets.get(owner, {})]
         x = 0
-        for b, v in self._digest_buckets.items():
-            if lo <= b < hi:
-                x ^= v
+        for buckets in owners:
+            for b, v in buckets.items():
+                if lo <= b < hi:
+                    x ^= v
         return (x & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
+
+    def knows(self, flow: FlowId) -> bool:
+        """Does this replica keep anything about ``flow`` (a reservation, an early message)?"""
+        return flow in self._entries or flow in self._early_release or flow in self._early_renew
 
     def end_of(self, flow: FlowId) -> float | None:
         """The end of a known reservation (min of release and lease expiry)."""
@@ -667,6 +783,7 @@ class ArkCore:
         return h.hexdigest()[:16]
 
     def link_holders(self) -> dict[int, frozenset[FlowId]]:
+        self._settle()
         return {lk: frozenset(s) for lk, s in self._holders.items() if s}
 
     def exclusive_conflicts(self, at: float | None = None) -> list[int]:
@@ -688,6 +805,7 @@ class ArkCore:
         and its owner moves to the new port if it changed (a RoCE QP through
         mlx5dv_modify_qp_udp_sport, a TCP sender on a new connection).
         """
+        self._settle()
         old = self._buckets
         self._buckets = {}
         for key, b in old.items():
@@ -706,14 +824,35 @@ class ArkCore:
 
     def local_flows(self) -> dict[FlowId, tuple[int, int, int, bool]]:
         """Local flows: flow -> (dst, path, port, reserved)."""
+        self._settle()
         return {f: (o.dst, o.path, o.port, o.reserved) for f, o in self._own.items()}
 
     # ------------------------------------------------------------------ internals
     def _bucket(self, dst: int, dport: int) -> PortBuckets:
         b = self._buckets.get((dst, dport))
         if b is None:
+            self._admit_dport(dport)
             b = self._buckets[(dst, dport)] = PortBuckets(self._pathmaps(self.host, dst, dport))
         return b
+
+    def _admit_dport(self, dport: int) -> None:
+        """Make room for a new destination port: its maps and buckets cost memory per peer."""
+        ports = self._dports
+        if dport in ports:
+            ports[dport] = ports.pop(dport)  # most recent last
+            return
+        if len(ports) >= self.limits.max_dports:
+            idle = next((d for d in ports if not any(b.in_use for (_, dp), b in self._buckets.items() if dp == d)), None)
+            if idle is None:
+                raise CoreError(f"dport: {len(ports)} destination ports are in use (limit {self.limits.max_dports}); "
+                                f"got {dport}")
+            del ports[idle]
+            for key in [k for k in self._buckets if k[1] == idle]:
+                del self._buckets[key]
+            forget = getattr(self._pathmaps, "forget_dport", None)
+            if forget is not None:
+                forget(idle)
+        ports[dport] = None
 
     def _random_port(self, buckets: PortBuckets) -> int:
         if buckets.map.sampled:  # only probed ports have a known path
@@ -797,18 +936,21 @@ class ArkCore:
         return None, False
 
     def _digest_set(self, flow: FlowId, end: float | None) -> None:
+        buckets = self._digest_buckets.get(flow[0])
+        if buckets is None:
+            buckets = self._digest_buckets[flow[0]] = {}
         old = self._digest_of.pop(flow, None)
         if old is not None:
             b, h = old
-            v = self._digest_buckets[b] ^ h
+            v = buckets[b] ^ h
             if v:
-                self._digest_buckets[b] = v
+                buckets[b] = v
             else:
-                del self._digest_buckets[b]
+                del buckets[b]
         if end is not None:
-            b = _NO_END_BUCKET if end == INF else math.floor(end * _BUCKETS_PER_S)
+            b = _bucket_of(end)
             h = hash((flow[0], flow[1], end))
-            self._digest_buckets[b] = self._digest_buckets.get(b, 0) ^ h
+            buckets[b] = buckets.get(b, 0) ^ h
             self._digest_of[flow] = (b, h)
 
     def _push_end(self, entry: _Entry) -> None:
@@ -830,17 +972,22 @@ class ArkCore:
         # The fast path is exact when the holders index equals "entries whose end is
         # after msg.ts": no larger key exists and nothing ended early after msg.ts.
         fast = (
-            (not self._keys or key > self._keys[-1])
+            self._pending is None
+            and (not self._keys or key > self._keys[-1])
             and msg.ts >= self._max_released
             and msg.ts >= self._expired_upto
         )
         self._entries[msg.flow] = entry
+        self._per_owner[msg.flow[0]] = self._per_owner.get(msg.flow[0], 0) + 1
         insort(self._keys, key)
         renew = self._early_renew.pop(msg.flow, None) if self._early_renew else None
+        if renew is not None:
+            self._early_gone(msg.flow)
         if renew is not None and renew.expires > entry.expires:
             entry.expires, entry.renew_ts = renew.expires, renew.ts
         early = self._early_release.pop(msg.flow, None) if self._early_release else None
         if early is not None:
+            self._early_gone(msg.flow)
             entry.released = max(early, msg.ts)
             self._max_released = max(self._max_released, entry.end)
             fast = False
@@ -848,7 +995,8 @@ class ArkCore:
             fast = False
         self._push_end(entry)
         if not fast:
-            return self._recompute_from(key)
+            self._defer(key)
+            return []
         holders = self._holders
         stages = self._stage_list(msg.src, msg.dst)
         links = [st[msg.path] for st in stages]
@@ -901,7 +1049,7 @@ class ArkCore:
         if new_end != old_end and self._later_start_at_or_after(entry, new_end):
             # Someone reserved at or after this release instant: their evaluation
             # may change now that this flow is known to be gone by then.
-            return self._recompute_from((new_end, -1, -1))
+            self._defer((new_end, -1, -1))
         return []
 
     def _apply_renew(self, entry: _Entry, msg: Renew) -> list[Repath]:
@@ -916,10 +1064,33 @@ class ArkCore:
             self._max_released = max(self._max_released, new_end)
         lapsed = old_end <= self._expired_upto and entry.path is not None and not entry.held
         if lapsed:
-            return self._recompute()
-        if self._later_start_at_or_after(entry, old_end):
-            return self._recompute_from((old_end, -1, -1))
+            # It holds again: only a full recomputation rebuilds the holders index for it.
+            self._defer(_EVERYTHING)
+        elif self._later_start_at_or_after(entry, old_end):
+            self._defer((old_end, -1, -1))
         return []
+
+    def _defer(self, start: Key) -> None:
+        self._pending = start if self._pending is None else min(self._pending, start)
+
+    def _settle(self) -> None:
+        """Run a deferred recomputation now; keep its events for the next flush()."""
+        if self._pending is not None:
+            start, self._pending = self._pending, None
+            self._settled.extend(self._recompute_from(start))
+
+    def flush(self) -> list[Repath]:
+        """Apply what received messages deferred; changes to local flows since the last flush.
+
+        :meth:`receive` defers re-evaluations that a message forces (a key older than the
+        newest, a release or renewal that changes the past), so that a batch of messages
+        costs one recomputation from the earliest affected key. Every owner operation and
+        every view settles first, so nothing observable is stale; a driver calls this
+        after each batch (or each message) to learn which local flows moved.
+        """
+        self._settle()
+        out, self._settled = self._settled, []
+        return out
 
     def _recompute(self) -> list[Repath]:
         self.counters.recomputes += 1
@@ -960,13 +1131,13 @@ class ArkCore:
     def _recompute_from(self, start: Key) -> list[Repath]:
         """Re-evaluate only the reservations with keys >= ``start``.
 
-        Earlier keys cannot depend on later ones, and everything earlier that is still
-        active at ``start`` is in ``_live``; so this equals the full recomputation while
-        costing (active + suffix) instead of (everything retained).
+        Earlier keys cannot depend on later ones, and the sweep starts from everything
+        earlier that is still active at ``start``; so this equals the full recomputation
+        while costing (active + suffix) instead of (everything retained).
         """
-        t0 = start[0]
-        if t0 < self._expired_upto:
+        if start == _EVERYTHING:
             return self._recompute()
+        t0 = start[0]
         keys, entries = self._keys, self._entries
         i = bisect_left(keys, start)
         if i >= len(keys):
@@ -974,7 +1145,9 @@ class ArkCore:
         self.counters.partial_recomputes += 1
         k0 = keys[i]
         sweep = _Sweep()
-        for f in self._live:
+        # Entries still active at t0: all in _live when t0 is after the expiry horizon,
+        # else found by one scan (cheap: no assignment is evaluated for them).
+        for f in self._live if t0 >= self._expired_upto else entries:
             e = entries[f]
             if e.path is not None and e.msg.key < k0 and e.end > t0:
                 sweep.add(e.msg.key, self._links(e.msg, e.path), e.end)

@@ -211,17 +211,18 @@ class SteeredTransferEngine:
         if t.lease is None:
             t0 = time.perf_counter()
             t.dport = dport
-            t.lease = stack.enter_context(client.lease(t.dst, t.nbytes, dport))
-            if not t.lease.reserved:
+            held = stack.enter_context(client.lease(t.dst, t.nbytes, dport))  # renewed until the stack closes
+            t.lease = lease = held.current  # as reserved (the held lease follows later re-paths)
+            if not lease.reserved:
                 # Every path is taken: plain ECMP, which for a transfer of several connections
                 # means each hashed on its own (one port of one random path would pile them up).
                 t.reserve_s = time.perf_counter() - t0
                 return []
             # One port per expected connection; spares only when some are held (TIME_WAIT).
-            path, more = client.more_ports(t.lease.flow_id, need - 1) if need > 1 else (t.lease.path, [])
+            path, more = client.more_ports(lease.flow_id, need - 1) if need > 1 else (lease.path, [])
             t.reserve_s = time.perf_counter() - t0
-            t.port_paths[t.lease.src_port] = t.lease.path
-            ports = [t.lease.src_port, *more]
+            t.port_paths[lease.src_port] = lease.path
+            ports = [lease.src_port, *more]
         else:  # every port so far is held: more, with spares
             path, more = client.more_ports(t.lease.flow_id, need + self.spare)
             ports = more

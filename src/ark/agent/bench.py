@@ -1,0 +1,275 @@
+"""Agent benchmarks on loopback: idle cost, hostile floods, unauthenticated abuse.
+
+Each starts real agent processes (:mod:`ark.agent.loopback`), does its damage from this
+process with real sockets, and returns figures (no printing): CPU, resident memory of the
+target agent before and after, local API latency percentiles, counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zmq
+import zmq.auth
+
+from ark.agent.attack import KINDS, hostile_envelopes
+from ark.agent.client import ArkClient, ArkClientError
+from ark.agent.cluster import Cluster
+from ark.agent.cluster import load as load_cluster
+from ark.agent.loopback import AgentProcs, write_cluster
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process (Linux /proc), in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def thread_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds per thread name (summed over processes): where an agent's time goes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                st = (t / "stat").read_text()
+                name = "main" if t.name == str(pid) else st[st.index("(") + 1:st.rindex(")")]
+                f = st.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+    return out
+
+
+@dataclass
+class Bed:
+    """Running agents plus one listed host ("X") whose keys this process holds."""
+
+    procs: AgentProcs
+    cluster: Cluster
+    running: list[str]
+    x: str
+    workdir: Path
+
+    def pid(self, name: str) -> int:
+        return self.procs.procs[name].pid
+
+    def as_x(self, ctx: zmq.Context, target: str) -> zmq.Socket:
+        """A DEALER with X's real keys, connected to ``target``'s control socket."""
+        xpub, xsec = zmq.auth.load_certificate(str(self.workdir / "keys" / f"{self.x}.key_secret"))
+        s = ctx.socket(zmq.DEALER)
+        s.curve_publickey, s.curve_secretkey = xpub, xsec
+        s.curve_serverkey = self.cluster.host(target).public_key.encode()
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.connect(self.cluster.host(target).control)
+        return s
+
+
+@contextlib.contextmanager
+def bed(agents: int = 3, peer_rate: float = 2000.0, fd_limit: int | None = None) -> Iterator[Bed]:
+    with tempfile.TemporaryDirectory(prefix="ark-bench-") as d:
+        wd = Path(d)
+        (wd / "api").mkdir()
+        cfile, names = write_cluster(wd, agents, extra_hosts=1, heartbeat_s=0.25, peer_rate=peer_rate)
+        procs = AgentProcs(cfile, names, wd, fd_limit=fd_limit)
+        running = names[:agents]
+        try:
+            for n in running:
+                procs.start(n)
+            procs.wait_ready(running)
+            yield Bed(procs, load_cluster(cfile), running, names[agents], wd)
+        finally:
+            procs.stop_all()
+
+
+def _latencies(api: str, stop: threading.Event, dst: str, out: list[float]) -> None:
+    """Reserve+release cycles against ``api`` until ``stop``: each cycle's latency."""
+    with ArkClient(api, timeout_s=10.0) as c:
+        while not stop.is_set():
+            t = time.perf_counter()
+            try:
+                lease = c.reserve(dst, 10**6)
+                c.release(lease.flow_id)
+            except ArkClientError:
+                out.append(float("inf"))
+                continue
+            out.append((time.perf_counter() - t) / 2)
+            time.sleep(0.005)
+
+
+def flood(messages_per_s: float = 10_000, seconds: float = 10.0, peer_rate: float = 2000.0) -> dict[str, Any]:
+    """One listed peer floods an agent with hostile messages of every kind while an engine
+    reserves and releases; the engine's per-request latency and the agent's memory."""
+    with bed(peer_rate=peer_rate) as b:
+        target, other = b.running[0], b.running[1]
+        ctx = zmq.Context()
+        try:
+            sock = b.as_x(ctx, target)
+            time.sleep(0.5)  # CURVE handshake
+            rss0, cpu0 = rss_mb(b.pid(target)), thread_cpu_s([b.pid(target)])
+            lat: list[float] = []
+            stop = threading.Event()
+            prober = threading.Thread(target=_latencies, args=(b.procs.api(target), stop, other, lat), daemon=True)
+            prober.start()
+            sent = _send_paced(sock, b, target, messages_per_s, seconds)
+            stop.set()
+            prober.join()
+            st = b.procs.status([target])[target]
+            rss1, cpu1 = rss_mb(b.pid(target)), thread_cpu_s([b.pid(target)])
+            alive = b.procs.procs[target].poll() is None
+        finally:
+            ctx.destroy(0)
+    ok = np.asarray([x for x in lat if x != float("inf")]) * 1e3
+    return {
+        "messages_per_s": messages_per_s, "seconds": seconds, "sent": sent, "peer_rate": peer_rate,
+        "api_requests": len(lat), "api_errors": len(lat) - len(ok),
+        "api_ms_p50": round(float(np.percentile(ok, 50)), 3) if ok.size else None,
+        "api_ms_p99": round(float(np.percentile(ok, 99)), 3) if ok.size else None,
+        "rss_mb_before": round(rss0, 1), "rss_mb_after": round(rss1, 1),
+        "agent_cpu_s": round(sum(cpu1.values()) - sum(cpu0.values()), 3),
+        "invalid": st["node"]["invalid"] + st["core"]["invalid"], "rate_limited": st["node"]["rate_limited"],
+        "errors": st["node"]["errors"], "alive": alive,
+    }
+
+
+def _send_paced(sock: zmq.Socket, b: Bed, target: str, rate: float, seconds: float) -> int:
+    xi, dst = b.cluster.host(b.x).index, b.cluster.host(target).index
+    gens = [hostile_envelopes(k, xi, dst, time.time, 1 << 30, seed=i) for i, k in enumerate(KINDS)]
+    t0, sent = time.monotonic(), 0
+    while (elapsed := time.monotonic() - t0) < seconds:
+        due = int(elapsed * rate) - sent
+        for _ in range(min(due, 2000)):
+            sock.send(next(gens[sent % len(gens)]), zmq.NOBLOCK)
+            sent += 1
+        time.sleep(0.001)
+    return sent
+
+
+def hostile_memory(messages: int = 1_000_000) -> dict[str, Any]:
+    """A listed peer sends ``messages`` hostile messages as fast as it can: resident memory
+    of the target agent before and after, and that it is still up and answering."""
+    with bed(peer_rate=1e7) as b:
+        target = b.running[0]
+        ctx = zmq.Context()
+        try:
+            sock = b.as_x(ctx, target)
+            time.sleep(0.5)
+            pid = b.pid(target)
+            rss0, peak = rss_mb(pid), 0.0
+            base = int(b.procs.status([target])[target]["node"]["received"])
+            xi, dst = b.cluster.host(b.x).index, b.cluster.host(target).index
+            t0 = time.monotonic()
+            per_kind = messages // len(KINDS)
+            for i, kind in enumerate(KINDS):
+                for k, data in enumerate(hostile_envelopes(kind, xi, dst, time.time, per_kind, seed=i)):
+                    sock.send(data)
+                    if k % 20_000 == 0:
+                        peak = max(peak, rss_mb(pid))
+            received = _wait_received(b, target, base, per_kind * len(KINDS), 600.0)
+            wall = time.monotonic() - t0
+            rss1 = rss_mb(pid)
+            st = b.procs.status([target])[target]
+        finally:
+            ctx.destroy(0)
+    return {"messages": per_kind * len(KINDS), "received": received, "seconds": round(wall, 1),
+            "rss_mb_before": round(rss0, 1), "rss_mb_peak": round(max(peak, rss1), 1), "rss_mb_after": round(rss1, 1),
+            "growth_mb": round(max(peak, rss1) - rss0, 1), "invalid": st["node"]["invalid"] + st["core"]["invalid"],
+            "reservations": st["reservations"], "errors": st["node"]["errors"], "ready": st["ready"]}
+
+
+def _wait_received(b: Bed, target: str, base: int, n: int, timeout: float) -> int:
+    """Wait until the target has taken ``n`` more messages than ``base`` (or the timeout)."""
+    deadline = time.monotonic() + timeout
+    got = 0
+    while time.monotonic() < deadline:
+        got = int(b.procs.status([target])[target]["node"]["received"]) - base
+        if got >= n:
+            return got
+        time.sleep(0.5)
+    return got
+
+
+def unauthenticated(announce_mb: int = 200, connections: int = 3, idle: int = 1100,
+                    fd_limit: int = 1024) -> dict[str, Any]:
+    """Strangers without keys: connections that announce huge handshake frames, then
+    ``idle`` silent TCP connections under a ``fd_limit`` descriptor limit. The agent's
+    memory, and whether a local client still gets answers."""
+    with bed(fd_limit=fd_limit) as b:
+        target = b.running[0]
+        pid = b.pid(target)
+        host, port = b.cluster.host(target).control[len("tcp://"):].rsplit(":", 1)
+        rss0 = rss_mb(pid)
+        big: list[socket.socket] = []
+        senders = [threading.Thread(target=lambda: big.append(_announce(host, int(port), announce_mb << 20)))
+                   for _ in range(connections)]
+        for th in senders:
+            th.start()
+        for th in senders:
+            th.join(60)
+        time.sleep(1.0)
+        rss_big = rss_mb(pid)
+        socks = []
+        for _ in range(idle):
+            with contextlib.suppress(OSError):
+                socks.append(socket.create_connection((host, int(port)), timeout=2))
+        time.sleep(1.0)
+        with ArkClient(b.procs.api(target), timeout_s=5.0) as c:
+            t = time.perf_counter()
+            st = c.status()
+            api_ms = (time.perf_counter() - t) * 1e3
+        rss_idle = rss_mb(pid)
+        for s in [*big, *socks]:
+            s.close()
+        alive = b.procs.procs[target].poll() is None
+    return {"announce_mb": announce_mb, "connections": connections, "idle_connections": len(socks),
+            "fd_limit": fd_limit, "rss_mb_before": round(rss0, 1), "rss_mb_after_announce": round(rss_big, 1),
+            "rss_mb_after_idle": round(rss_idle, 1), "growth_mb": round(max(rss_big, rss_idle) - rss0, 1),
+            "api_ms": round(api_ms, 2), "connections_shed": st["node"]["connections_shed"], "alive": alive}
+
+
+def _announce(host: str, port: int, size: int, send_mb: int = 64) -> socket.socket:
+    """A ZMTP 3 greeting for CURVE, a frame header announcing ``size`` bytes, then up to
+    ``send_mb`` MiB of it (what a receiver that believes the header would buffer)."""
+    s = socket.create_connection((host, port), timeout=2)
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"CURVE".ljust(20, b"\0") + b"\0" + b"\0" * 31
+    chunk = b"\0" * (1 << 20)
+    with contextlib.suppress(OSError):  # a receiver that refuses the frame closes the connection
+        s.sendall(greeting + b"\x06" + struct.pack(">Q", size))
+        for _ in range(min(send_mb, size >> 20)):
+            s.sendall(chunk)
+    return s
+
+
+def idle_cpu(agents: int, seconds: float, heartbeat_s: float = 0.25) -> dict[str, Any]:
+    """CPU of ``agents`` idle agents (no flows) over ``seconds``, per thread kind."""
+    with tempfile.TemporaryDirectory(prefix="ark-idle-") as d:
+        wd = Path(d)
+        (wd / "api").mkdir()
+        cfile, names = write_cluster(wd, agents, heartbeat_s=heartbeat_s, spines=max(4, agents))
+        procs = AgentProcs(cfile, names, wd)
+        try:
+            for n in names:
+                procs.start(n)
+            procs.wait_ready(names)
+            time.sleep(1.0)
+            pids = [p.pid for p in procs.procs.values()]
+            before, t0 = thread_cpu_s(pids), time.monotonic()
+            time.sleep(seconds)
+            after, wall = thread_cpu_s(pids), time.monotonic() - t0
+        finally:
+            procs.stop_all()
+    per_thread = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(after)}
+    total = sum(per_thread.values())
+    return {"agents": agents, "seconds": round(wall, 2), "heartbeat_s": heartbeat_s, "cpu_s": round(total, 3),
+            "cpu_s_by_thread": per_thread, "cpu_percent_per_agent": round(100 * total / wall / agents, 3)}
