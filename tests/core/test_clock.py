@@ -100,10 +100,12 @@ def test_clock_watch_bounds_and_majority() -> None:
     w = ClockWatch(bound_s=0.1, fresh_s=1.0)
     for p in (1, 2, 3):
         w.hello(p, 10.0, 10.3, [], me=0)  # their clocks 0.3 s ahead of ours: we are behind
-    assert w.ahead_of_us() == [1, 2, 3] and w.verdict(10.0)[0] and "behind 3 of 3" in w.verdict(10.0)[1]
+    v = w.verdict(10.0)
+    assert w.ahead_of_us() == [1, 2, 3] and v is not None and v[0] and "behind 3 of 3" in v[1]
     w = ClockWatch(bound_s=0.1, fresh_s=1.0)
     w.hello(1, 10.0, 9.7, [0], me=0)  # delay could explain a positive sample: only their word counts
     w.hello(2, 10.0, 9.7, [0], me=0)
     w.hello(3, 10.0, 9.99, [], me=0)
-    assert w.ahead_of_us() == [] and w.verdict(10.0) == (True, w.verdict(10.0)[1]) and "ahead of 2 of 3" in w.verdict(10.0)[1]
-    assert not w.verdict(12.0)[0]  # nobody heard recently: no verdict
+    v = w.verdict(10.0)
+    assert w.ahead_of_us() == [] and v is not None and v[0] and "ahead of 2 of 3" in v[1]
+    assert w.verdict(12.0) is None  # nobody heard recently: no evidence either way

@@ -54,11 +54,11 @@ class ClockWatch:
         """Peers whose clocks are provably ahead of ours by more than the bound."""
         return sorted(p for p, pc in self._peers.items() if pc.samples and min(pc.samples) < -self.bound_s)
 
-    def verdict(self, now: float) -> tuple[bool, str]:
-        """(skewed, why) from the peers heard recently."""
+    def verdict(self, now: float) -> tuple[bool, str] | None:
+        """(skewed, why) from the peers heard recently; None when none was (no evidence)."""
         fresh = [p for p, pc in self._peers.items() if pc.samples and now - pc.heard <= self.fresh_s]
         if not fresh:
-            return False, ""
+            return None
         behind = [p for p in fresh if min(self._peers[p].samples) < -self.bound_s]
         ahead = [p for p in fresh if self._peers[p].lists_us_ahead]
         need = len(fresh) // 2 + 1

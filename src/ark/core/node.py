@@ -121,6 +121,7 @@ class PeerState:
     last_heard: float = -math.inf
     synced: bool = False
     sync_sent: float | None = None
+    retry_s: float = 0.0  # wait before asking again: doubles while requests go unanswered
     served_at: float = -math.inf  # last sync reply we sent it
     reply_seq: int | None = None  # the reply being received in parts: its seq ...
     reply_next: int = 0  # ... and the part expected next
@@ -192,7 +193,7 @@ class Node:
             host, routes, pathmaps, policy=policy, seed=seed, retention_s=retention_s, lease=self.lease,
             expiry_grace_s=expiry_grace_s, seq_base=incarnation << 32, limits=core_limits or CoreLimits(),
         )
-        self.peers: dict[int, PeerState] = {p: PeerState() for p in peers}
+        self.peers: dict[int, PeerState] = {p: PeerState(retry_s=sync_timeout_s) for p in peers}
         self.heartbeat_s, self.peer_timeout_s, self.sync_timeout_s = heartbeat_s, peer_timeout_s, sync_timeout_s
         self.limits = limits
         # Timestamps further than this from our clock are not believed (a message older
@@ -206,6 +207,7 @@ class Node:
         self.ready = False
         self._sign, self._verify = signer, verifier
         self._sigs: dict[FlowId, dict[int, tuple[bytes, bytes, float]]] = {}  # what we can relay, signed
+        self._frozen_votes: dict[FlowId, dict[int, tuple[int | None, bool]]] = {}  # peer -> its frozen assignment
         self._sigs_pruned = -math.inf
         self._started_at: float | None = None
         self._out_seq = 0
@@ -239,8 +241,8 @@ class Node:
             out.extend(self._hello(now))
         for p in list(self._syncing):
             st = self.peers[p]
-            if not st.synced and st.sync_sent is not None and now >= st.sync_sent + self.sync_timeout_s:
-                out.extend(self._request_sync(p, now))
+            if not st.synced and st.sync_sent is not None and now >= st.sync_sent + st.retry_s:
+                out.extend(self._request_sync(p, now, retry=True))
         self._update_ready(now)
         out.extend(self._judge_clock(now))
         for f in [f for f, lo in self._local.items() if lo.expires <= now]:
@@ -263,7 +265,7 @@ class Node:
         for p in self._syncing:
             st = self.peers[p]
             if not st.synced and st.sync_sent is not None:
-                t = min(t, st.sync_sent + self.sync_timeout_s)
+                t = min(t, st.sync_sent + st.retry_s)
         if not self.ready and self._started_at is not None:
             t = min(t, self._started_at + self.sync_timeout_s)
         if self._local:
@@ -390,6 +392,8 @@ class Node:
             self.counters.dropped += 1  # a delayed message from before the peer restarted
             return None
         st.last_heard = now
+        if not st.synced and st.retry_s > self.sync_timeout_s:
+            st.retry_s = self.sync_timeout_s  # it is back: the next retry comes soon
         if st.incarnation == env.incarnation:
             return []
         # First contact or a restart: its sequence numbers start over.
@@ -417,7 +421,7 @@ class Node:
         elif (
             st.synced
             and digest != self.core.state_digest(since, until, owner=peer)
-            and (st.sync_sent is None or now >= st.sync_sent + self.sync_timeout_s)
+            and (st.sync_sent is None or now >= st.sync_sent + st.retry_s)
         ):
             # Same sequence numbers but different message sets (a message lost from
             # a host that has since restarted): anti-entropy, merge with this peer.
@@ -485,10 +489,10 @@ class Node:
         st.served_at = now
         self.counters.sync_served += 1
         items = [self._signed(m) for m in self.core.snapshot()]
-        mine = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items() if f[0] == self.host]
+        frozen = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items()]
         return [
             Send(peer, encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq,
-                                       [chunk, float(now), mine if part == parts - 1 else [], part, parts]))
+                                       [chunk, float(now), frozen if part == parts - 1 else [], part, parts]))
             for part, parts, chunk in sync_parts(items)
         ]
 
@@ -588,6 +592,8 @@ class Node:
         self._sigs_pruned = now
         for f in [f for f in self._sigs if not self.core.knows(f)]:
             del self._sigs[f]
+        for f in [f for f in self._frozen_votes if not self.core.knows(f)]:
+            del self._frozen_votes[f]
 
     def _hello(self, now: float) -> list[Output]:
         self._next_hello = now + self.heartbeat_s
@@ -599,11 +605,17 @@ class Node:
                    self.clock.ahead_of_us()]
         return [Publish(encode_envelope(K_HELLO, self.host, self.incarnation, self._out_seq, payload))]
 
-    def _request_sync(self, peer: int, now: float, *, urgent: bool = False) -> list[Output]:
-        """Ask ``peer`` for a snapshot, unless a request to it is out and not yet due a retry."""
+    def _request_sync(self, peer: int, now: float, *, urgent: bool = False, retry: bool = False) -> list[Output]:
+        """Ask ``peer`` for a snapshot, unless a request to it is out and not yet due a retry.
+
+        A retry of an unanswered request waits twice as long as the last (up to 8 x
+        ``sync_timeout_s``): a peer that cannot answer is not asked ever faster. Hearing
+        from it again resets the wait (:meth:`_contact`).
+        """
         st = self.peers[peer]
-        if not urgent and st.sync_sent is not None and now < st.sync_sent + self.sync_timeout_s:
+        if not urgent and not retry and st.sync_sent is not None and now < st.sync_sent + st.retry_s:
             return []
+        st.retry_s = min(2 * st.retry_s, 8 * self.sync_timeout_s) if retry else self.sync_timeout_s
         st.sync_sent = now
         self._syncing.add(peer)
         self.counters.sync_requests += 1
@@ -617,16 +629,18 @@ class Node:
 
     def _judge_clock(self, now: float) -> list[Output]:
         """Stop reserving while a majority of peers proves our clock wrong; give up what we hold."""
-        skewed, why = self.clock.verdict(now)
+        verdict = self.clock.verdict(now)
+        if verdict is None:
+            return []  # no peer heard lately: keep the verdict we had
+        skewed, why = verdict
         was, self.skewed = self.skewed, why if skewed else ""
         if not skewed or was:
             return []
         out: list[Output] = []
-        for f in self._local:
-            if self.core.local_flows()[f][3]:
-                rel = self.core.unreserve(f, now)
-                self.events.extend(rel.events)
-                out.extend(self._publish(rel.messages))
+        for f in self._local:  # every reservation of ours, also one a lost race left unheld
+            rel = self.core.unreserve(f, now)
+            self.events.extend(rel.events)
+            out.extend(self._publish(rel.messages))
         return out
 
     def _merge(self, peer: int, items: list[list[bytes]], frozen: list[list[Any]], now: float) -> None:
@@ -647,10 +661,23 @@ class Node:
             self.core.receive(m, now, sender=m.flow[0], defer=True)
             self._keep_signature(m, raw, sig)
         self.events.extend(self.core.flush())
-        # Only the owner's word about its own flows (another host could lie about them).
-        mine = {(o, q): (None if p < 0 else p, sh) for o, q, p, sh in frozen if o == peer}
-        if mine:
-            self.events.extend(self.core.adopt(mine))
+        agreed = self._vote_frozen(peer, frozen)
+        if agreed:
+            self.events.extend(self.core.adopt(agreed))
+
+    def _vote_frozen(self, peer: int, frozen: list[list[Any]]) -> dict[FlowId, tuple[int | None, bool]]:
+        """Assignments the peer can no longer recompute (an overlapping reservation was
+        forgotten there), to take as they are. A joiner cannot check them, so a peer's word
+        is taken; the flow's owner's word, once heard, wins over any other peer's."""
+        agreed: dict[FlowId, tuple[int | None, bool]] = {}
+        for o, q, p, sh in frozen:
+            f = (o, q)
+            if not self.core.knows(f):
+                continue
+            votes = self._frozen_votes.setdefault(f, {})
+            votes[peer] = (None if p < 0 else p, sh)
+            agreed[f] = votes.get(o, votes[peer])
+        return agreed
 
     def _takes(self, peer: int, m: Message, raw: bytes, sig: bytes) -> bool:
         owner = m.flow[0]

@@ -461,9 +461,9 @@ class ArkCore:
         self._settle()
         entry = self._entries.get(flow)
         own.reserved = False
-        if entry is None or entry.released is not None or now < entry.msg.ts:
+        if entry is None or entry.released is not None:
             return Released((), tuple(self.flush()))
-        msg = Release(flow, float(now))
+        msg = Release(flow, max(float(now), entry.msg.ts))  # a clock that stepped back cannot undo it
         self._apply_release(msg)
         return Released((msg,), tuple(e for e in self.flush() if e.flow != flow))
 

@@ -1,0 +1,135 @@
+"""State an outsider can make a node keep, and work it can make it do, stay bounded.
+
+Sans-IO: a Node fed directly, so that each bound is checked exactly and fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ark.core.envelope import K_DATA, K_HELLO, encode_envelope
+from ark.core.lease import LeasePolicy
+from ark.core.messages import Release, Reserve, encode
+from ark.core.node import Node, NodeLimits
+from ark.core.pathmap import PathMapCache
+from ark.core.protocol import CoreError, CoreLimits
+from ark.core.topology import preset
+
+FAB = preset("paper")
+MAPS = PathMapCache(FAB)
+
+
+def node(host: int = 8, **kw) -> Node:
+    n = Node(host, FAB, MAPS, [p for p in (0, 1, 8, 9) if p != host], incarnation=1,
+             lease=LeasePolicy(1.0, 2.0, 600.0), **kw)
+    n.start(0.0)
+    n.tick(2.0)  # nobody answered: ready anyway
+    return n
+
+
+def data(sender: int, seq: int, msg) -> bytes:
+    return encode_envelope(K_DATA, sender, 1, seq, [encode(msg), b""])
+
+
+def test_a_huge_transfer_gets_the_capped_lease_that_peers_accept() -> None:
+    owner, peer = node(0), node(8)
+    lease, outs = owner.reserve(9, 4 * 10**12, 10.0)  # 4 TB: uncapped, hours
+    assert lease.expires == pytest.approx(10.0 + 600.0)
+    peer.on_message(0, outs[0].data, 10.0)
+    peer.flush()
+    assert lease.flow_id in peer.core.table()
+
+
+def test_far_future_releases_of_unknown_flows_are_not_kept() -> None:
+    n = node()
+    for k in range(5000):
+        n.on_message(0, data(0, k + 1, Release((0, 10**6 + k), 1e6)), 10.0)
+        n.on_message(0, data(0, 10_000 + k, Release((0, 2 * 10**6 + k), 11.0)), 10.0)
+    assert len(n.core._early_release) <= CoreLimits().max_early_per_host
+    assert n.counters.out_of_window == 5000 and n.core.counters.overflow >= 5000 - CoreLimits().max_early_per_host
+
+
+def test_gapped_sequence_numbers_keep_at_most_max_ahead() -> None:
+    n = node(limits=NodeLimits(max_ahead=64))
+    n.on_message(0, encode_envelope(K_HELLO, 0, 1, 0, [b"\0" * 8, 7.5, 9.7, 10.0, []]), 10.0)
+    for k in range(10_000):  # every third sequence number: a hole before each
+        n.on_message(0, data(0, 2 + 3 * k, Release((0, 5), 10.0)), 10.0)
+        assert len(n.peers[0].ahead) <= 64
+
+
+def test_reservations_per_owner_are_capped() -> None:
+    n = node(core_limits=CoreLimits(max_flows_per_host=100))
+    for k in range(300):
+        m = Reserve((0, k + 1), 10.0, 0, 9, 4791, k % 4, 49152 + k, 10**6, 1e11, False, 11.0)
+        n.on_message(0, data(0, k + 1, m), 10.0)
+    n.flush()
+    assert sum(1 for f in n.core.entries() if f[0] == 0) == 100 and n.core.counters.overflow == 200
+
+
+def test_destination_ports_are_capped_and_idle_ones_dropped() -> None:
+    n = node(core_limits=CoreLimits(max_dports=4))
+    for d in range(2000):
+        lease, _ = n.reserve(0, 10**6, 10.0, dport=1000 + d)
+        n.release(lease.flow_id, 10.0)
+    assert len(n.core._dports) <= 4 and len({k[1] for k in n.core._buckets}) <= 4
+    leases = [n.reserve(0, 10**6, 10.0, dport=5000 + d)[0] for d in range(4)]  # four dports busy
+    with pytest.raises(CoreError, match="^dport: 4 destination ports are in use"):
+        n.reserve(0, 10**6, 10.0, dport=6000)
+    assert len(leases) == 4
+
+
+def test_local_flows_are_capped() -> None:
+    n = node(limits=NodeLimits(max_local_flows=50))
+    for _ in range(50):
+        n.reserve(0, 10**6, 10.0)
+    with pytest.raises(CoreError, match="^flows: 50 local flows are live"):
+        n.reserve(0, 10**6, 10.0)
+
+
+def test_old_reservations_in_a_batch_cost_one_recomputation() -> None:
+    """RESERVEs stamped in the past force a re-evaluation each; a batch is evaluated once."""
+    n = node(core_limits=CoreLimits(max_flows_per_host=10_000))
+    for k in range(200):  # a busy recent past
+        m = Reserve((1, k + 1), 9.0 + k * 0.001, 1, 9, 4791, k % 4, 49152 + k, 10**6, 1e11, False, 12.0)
+        n.on_message(1, data(1, k + 1, m), 10.0)
+    n.flush()
+    before = n.core.counters.partial_recomputes + n.core.counters.recomputes
+    for k in range(1000):  # a thousand, each 1 s older than the newest
+        m = Reserve((0, k + 1), 9.0, 0, 9, 4791, k % 4, 50000 + k, 10**6, 1e11, False, 12.0)
+        n.on_message(0, data(0, k + 1, m), 10.0)
+    n.flush()
+    assert n.core.counters.partial_recomputes + n.core.counters.recomputes - before == 1
+    assert n.core.exclusive_conflicts() == []
+
+
+@given(st.binary(max_size=600))
+def test_any_bytes_from_a_listed_peer_are_dropped_without_harm(raw: bytes) -> None:
+    n = node()
+    before = n.core.digest()
+    n.on_message(0, raw, 10.0)
+    n.flush()
+    assert n.core.digest() == before
+
+
+@given(st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**63), 2**64 - 1),
+                          st.text(max_size=4), st.none(), st.booleans()), min_size=14, max_size=14))
+def test_any_reservation_fields_are_checked_before_they_count(fields: list) -> None:
+    import msgpack
+
+    fields[:2] = [1, 1]  # a RESERVE, the current version
+    n = node()
+    before = n.core.digest()
+    try:
+        raw = msgpack.packb(fields)
+    except (OverflowError, ValueError):
+        return
+    n.on_message(0, encode_envelope(K_DATA, 0, 1, 1, [raw, b""]), 10.0)
+    n.flush()
+    after = n.core.digest()
+    if after != before:  # it was a valid reservation of host 0, within the window and the cap
+        (f, (path, _)), = n.core.table().items()
+        assert f[0] == 0 and 0 <= path < 4 and math.isfinite(fields[4]) and abs(fields[4] - 10.0) <= 5.0
