@@ -80,9 +80,19 @@ def test_reserve_renew_release_over_real_sockets(trio) -> None:
             c.refresh()
         with pytest.raises(ArkClientError, match="peers: expected a list"):
             c.call({"op": "refresh", "peers": "gpu1"})
+        # More ports of the lease's path, for an engine opening several connections.
+        path, more = c.more_ports(lease.flow_id, 3)
+        pm = cl.pathmaps()(cl.host(src).index, cl.host(dst).index, 4791)
+        assert path == lease.path and len(set(more) | {lease.src_port}) == 4 and {pm.path_of(p) for p in more} == {path}
+        for bad, why in ((0, "must be >= 1"), (1025, "must be <= 1024"), (True, "must be an integer"),
+                         ("3", "must be an integer")):
+            with pytest.raises(ArkClientError, match=rf"^n: {why}"):
+                c.call({"op": "more_ports", "flow": list(lease.flow_id), "n": bad})
         c.release(lease.flow_id)
         with pytest.raises(ArkClientError, match="not an active local flow"):
             c.current(lease.flow_id)
+        with pytest.raises(ArkClientError, match="not an active local flow"):
+            c.more_ports(lease.flow_id, 1)
 
 
 def test_lease_context_manager_renews_until_exit(trio) -> None:
@@ -291,6 +301,8 @@ def test_cli_status_ports_keygen_and_cluster(trio, tmp_path) -> None:
     ports = [int(v) for v in p.stdout.strip().split(",")]
     pm = cl.pathmaps()(cl.host(running[0]).index, cl.host(dst).index, 4791)
     assert [pm.path_of(v) for v in ports] == [0, 1, 2, 3]
+    # Honest about what engines take: one list for this peer only, process-wide in Mooncake RDMA.
+    assert "for this peer only" in p.stderr and "list[i % n]" in p.stderr and "USE_MLX5DV=ON" in p.stderr
     p = run("ports", "--cluster", str(procs.cluster_file), "--host", running[0], "--peer", "nosuch")
     assert p.returncode != 0 and p.stderr.count("\n") == 1 and "nosuch" in p.stderr
     p = run("keygen", "--out", str(tmp_path / "k"), "--name", "h1")

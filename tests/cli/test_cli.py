@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -92,3 +93,15 @@ def test_bench_controller_json() -> None:
     for k in ("precompute_ms_per_peer", "hash_ns_per_port", "select_us_k4", "select_us_k1000",
               "decision_us_p50", "decision_us_p99"):
         assert d[k] > 0
+
+
+def test_ports_engines_table_needs_no_cluster() -> None:
+    p = subprocess.run([sys.executable, "-m", "ark", "ports", "--engines"], capture_output=True, text=True, check=False,
+                       env={**os.environ, "COLUMNS": "300"})
+    assert p.returncode == 0
+    for needle in ("MC_MLX5_QP_UDP_SPORTS", "list[i % n]", "USE_MLX5DV=ON", "UCX_IB_ROCE_PATH_FACTOR", "65472",
+                   "MORI_MLX5_ENABLE_UDP_SPORT", "UCCL_UDP_SPORT_BASE", "NVSHMEM", "SteeredTransferEngine"):
+        assert needle in p.stdout, needle
+    p = subprocess.run([sys.executable, "-m", "ark", "ports", "--cluster", "c.toml"], capture_output=True, text=True,
+                       check=False)
+    assert p.returncode == 2 and p.stderr.strip() == "ark: error: --host, --peer: required (or --engines)"

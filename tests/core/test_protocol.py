@@ -46,6 +46,32 @@ def test_chosen_port_hashes_to_chosen_path() -> None:
         assert d.flow_label is not None and 0 < d.flow_label < 1 << 20
 
 
+def test_more_ports_are_free_ports_of_the_flows_path_held_until_release() -> None:
+    c = Cluster(PAPER)
+    core = c.cores[0]
+    pm = PathMapCache(PAPER)(0, 8, 4791)
+    d = c.request(0, 8, 10**9, 1.0)
+    more = core.more_ports(d.flow, 5)
+    assert len(more) == 5 and len({d.port, *more}) == 6
+    assert all(pm.path_of(p) == d.path for p in more)
+    # Held: later flows towards the same peer never get them, whatever path they take.
+    held = {d.port, *more}
+    others = [c.request(0, 8, 10**9, 2.0 + i) for i in range(3)]
+    assert all(o.port not in held for o in others)
+    for o in others:
+        c.release(0, o.flow, 6.0)
+    # A bucket runs dry: fewer than asked, then none.
+    everything = core.more_ports(d.flow, 1 << 16)
+    assert len(everything) == len(pm.buckets[d.path]) - 6 and core.more_ports(d.flow, 3) == []
+    c.release(0, d.flow, 7.0)
+    again = c.request(0, 8, 10**9, 8.0)
+    assert again.path == d.path and core.more_ports(again.flow, 4) != []  # given back at release
+    with pytest.raises(CoreError, match="not an active local flow"):
+        core.more_ports(d.flow, 1)
+    with pytest.raises(CoreError, match="n: must be >= 0"):
+        core.more_ports(again.flow, -1)
+
+
 def test_intra_leaf_flows_reserve_nothing() -> None:
     c = Cluster(PAPER)
     d = c.request(0, 3, 10**9, 1.0)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 API_MAX_BYTES = 4096
 MAX_NBYTES = 2**62
+MORE_PORTS_MAX = 1024  # ports one more_ports request may claim
 Reply = dict[str, Any]
 _U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
 _U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -60,8 +61,14 @@ class PortsReq(_Req):
     dport: Port | None = None
 
 
+class MorePortsReq(_Req):
+    flow: tuple[_U32, _U63]
+    n: Annotated[int, msgspec.Meta(ge=1, le=MORE_PORTS_MAX)]
+
+
 REQUESTS: dict[str, type[_Req]] = {
-    "reserve": ReserveReq, "renew": FlowReq, "release": FlowReq, "lease": FlowReq, "reload": _Req,
+    "reserve": ReserveReq, "renew": FlowReq, "release": FlowReq, "lease": FlowReq, "more_ports": MorePortsReq,
+    "reload": _Req,
     "refresh": RefreshReq, "status": StatusReq, "table": _Req, "ports": PortsReq, "metrics": _Req,
 }
 OPS = tuple(REQUESTS)
@@ -144,6 +151,12 @@ class LocalApi:
     def op_lease(self, req: FlowReq, rid: bytes, now: float) -> Reply:
         return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(req.flow))}
 
+    def op_more_ports(self, req: MorePortsReq, rid: bytes, now: float) -> Reply:
+        """More source ports of a flow's path (an engine opening several connections)."""
+        node = self.agent.node
+        ports = node.more_ports(req.flow, req.n)
+        return {"ok": True, "ports": ports, "path": node.lease_of(req.flow).path}  # the path they lead over
+
     def op_reload(self, req: _Req, rid: bytes, now: float) -> Reply:
         """New path-map files (re-probed after a fabric change): reload and re-path."""
         return {"ok": True, "repathed": self.agent.reload(now)}
@@ -180,3 +193,4 @@ class LocalApi:
         from prometheus_client import generate_latest
 
         return {"ok": True, "text": generate_latest(self.agent.metrics_registry()).decode()}
+

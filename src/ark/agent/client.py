@@ -138,6 +138,12 @@ class ArkClient:
     def release(self, flow_id: tuple[int, int]) -> None:
         self.call({"op": "release", "flow": list(flow_id)})
 
+    def more_ports(self, flow_id: tuple[int, int], n: int) -> tuple[int, list[int]]:
+        """(the flow's path now, up to ``n`` more source ports of it, held for the flow until
+        its release). The path is the lease's unless a race re-pathed the flow meanwhile."""
+        rep = self.call({"op": "more_ports", "flow": list(flow_id), "n": n})
+        return int(rep["path"]), [int(p) for p in rep["ports"]]
+
     def status(self, samples: int = 0) -> dict[str, Any]:
         st: dict[str, Any] = self.call({"op": "status", "samples": samples})["status"]
         return st

@@ -81,16 +81,47 @@ def status(cluster_path: str, host: str, as_json: bool) -> None:
 
 
 @click.command()
-@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--host", required=True, help="This host.")
-@click.option("--peer", required=True, help="Destination host.")
+@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False))
+@click.option("--host", help="This host.")
+@click.option("--peer", help="Destination host.")
 @click.option("--dport", type=click.IntRange(0, 65535), default=None, help="Destination port (default: the cluster's).")
-def ports(cluster_path: str, host: str, peer: str, dport: int | None) -> None:
-    """A static port list (one source port per path), for MC_MLX5_QP_UDP_SPORTS-style settings."""
-    cl = _cluster(cluster_path)
-    me, other = cl.host(host), cl.host(peer)
-    pm = cl.pathmaps()(me.index, other.index, cl.dport if dport is None else dport)
+@click.option("--engines", is_flag=True, help="Only say what each transfer engine can take (no cluster needed).")
+def ports(cluster_path: str | None, host: str | None, peer: str | None, dport: int | None, engines: bool) -> None:
+    """One source port per path from HOST to PEER, comma-separated; and what engines can take.
+
+    No engine takes a per-peer or per-transfer port list today. Mooncake's MC_MLX5_QP_UDP_SPORTS
+    is one process-wide list (QP i of every peer's endpoint gets list[i % n]), read only by
+    source builds with USE_MLX5DV=ON; its TCP transport is steered per transfer by
+    ark.integrations.mooncake. `--engines` prints the whole table.
+    """
+    if engines:
+        _engine_table()
+        return
+    missing = [o for o, v in (("--cluster", cluster_path), ("--host", host), ("--peer", peer)) if v is None]
+    if missing:
+        raise click.UsageError(f"{', '.join(missing)}: required (or --engines)")
+    cl = _cluster(str(cluster_path))
+    me, other = cl.host(str(host)), cl.host(str(peer))
+    d = cl.dport if dport is None else dport
+    pm = cl.pathmaps()(me.index, other.index, d)
     click.echo(",".join(str(p) for p in pm.static_ports() if p >= 0))
+    click.echo(f"one source port per path from {host} to {peer} (dport {d}), for this peer only. Mooncake RDMA: "
+               "MC_MLX5_QP_UDP_SPORTS is one process-wide list, QP i of every peer's endpoint gets list[i % n], "
+               "read only by source builds with USE_MLX5DV=ON; no engine takes a per-transfer port today except "
+               "Mooncake TCP through ark.integrations.mooncake. See `ark ports --engines`.", err=True)
+
+
+def _engine_table() -> None:
+    from rich.markup import escape
+
+    from ark.integrations.catalog import ENGINES
+
+    t = Table(title="what each transfer engine lets a caller choose about source ports", show_lines=True)
+    for col in ("engine", "transport", "setting", "applies to", "ARK today", "per-transfer steering needs"):
+        t.add_column(col, overflow="fold")
+    for e in ENGINES:
+        t.add_row(*(escape(v) for v in (e.engine, e.transport, e.knob, e.scope, e.ark_today, e.per_transfer_needs)))
+    out.print(t)
 
 
 @click.command("cluster")
@@ -127,9 +158,10 @@ def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: in
 @click.option("--routers", type=click.Path(dir_okay=False), help="JSON: router (spine) address -> path index (default: the cluster's routers_file).")
 @click.option("--sample", type=click.IntRange(min=0), help="Source ports probed per peer per round; 0: all (default: the cluster's probe_sample).")
 @click.option("--proto", type=click.Choice(["tcp", "udp"]), help="Probe with your flows' protocol: the ECMP hash includes it (default: the cluster's probe_proto).")
+@click.option("--dport", type=click.IntRange(0, 65535), help="Destination port to probe (the hash includes it; default: the cluster's dport).")
 @click.option("--json", "as_json", is_flag=True)
 def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | None, sample: int | None,
-              proto: str | None, as_json: bool) -> None:
+              proto: str | None, dport: int | None, as_json: bool) -> None:
     """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""
     import msgspec
 
@@ -147,6 +179,8 @@ def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | No
         over["probe_sample"] = sample
     if proto is not None:
         over["probe_proto"] = proto
+    if dport is not None:
+        over["dport"] = dport
     c = msgspec.structs.replace(c, **over)
     names = [p for p in peers.split(",") if p] if peers else None
     summary = refresh(c, host, names)

@@ -145,3 +145,26 @@ def bench_agent(messages: int, rate: float, as_json: bool) -> None:
     r = per_message(messages, rate)
     _print_json_or_line(r, as_json, f"{r['received']} messages at {rate:g}/s: {r['cpu_us_per_message']} us of agent "
                         f"CPU per received message ({r['cpu_s_by_thread']})")
+
+
+@bench.command("steer")
+@click.option("--connections", type=click.IntRange(1, 2000), default=2000, show_default=True, help="Connections per mode and round.")
+@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_steer(connections: int, rounds: int, as_json: bool) -> None:
+    """Per-connection cost of the connect() interposer that steers transfer engines."""
+    from ark.integrations.steerbench import bench as steer_bench
+
+    res = steer_bench(connections, rounds)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    t = Table(title=f"connect() on loopback, {connections} connections x {rounds} rounds per mode (medians of rounds)")
+    for c in ("mode", "median", "p99", "overhead vs idle"):
+        t.add_column(c, justify="left" if c == "mode" else "right")
+    for mode, m in res["modes"].items():
+        over = res["overhead_us"].get(mode)
+        t.add_row(mode, f"{m['median_us']:.2f} us", f"{m['p99_us']:.2f} us", "—" if over is None else f"{over:+.2f} us")
+    out.print(t)
+    out.print(f"loaded but steering nothing (idle - plain, two processes): {res['preload_us']:+.2f} us; "
+              f"target: <= {res['target_us']} us per steered connection")

@@ -128,12 +128,19 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 @click.option("--seeds", default="1", show_default=True, help="Seed count N (seeds 0..N-1) or a list like 0,4,7.")
 @click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True, help="Probed ports per peer.")
 @click.option("--fail-link", help="LEAF:SPINE@SECONDS: take that link down mid-run; hosts re-probe, agents reload.")
+@click.option("--engine", type=click.Choice(["builtin", "mooncake"]), default="builtin", show_default=True,
+              help="Who moves the bytes: the testbed's TCP senders, or Mooncake Transfer Engines (the mooncake extra).")
+@click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="mooncake: requests per KV flow (the engine opens one connection per request).")
+@click.option("--ecmp-agents", is_flag=True,
+              help="Start the agents in ECMP runs too, unused: both schemes pay their CPU (a control on a shared machine).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Also write every record (flows included) as JSON.")
 @click.option("--prefix", default="ark", show_default=True)
 @click.option("--state-dir", help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
 def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
-           out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
+           engine: str, buffers: int, ecmp_agents: bool, out_file: str | None, prefix: str, state_dir: str | None,
+           as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark.testbed import run as tr
 
@@ -143,22 +150,28 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     records = []
     for seed in seed_list:
         for scheme in schemes or ("ecmp", "ark"):
-            p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure)
+            p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
+                             engine=engine, buffers=buffers, ecmp_agents=ecmp_agents)
             records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
     if out_file:
         Path(out_file).write_text(json.dumps(_clean(records), indent=1))
     if as_json:
         click.echo(json.dumps(_clean(records[0] if len(records) == 1 else records)))
         return
+    who = "" if engine == "builtin" else f", Mooncake engines ({buffers} request(s) per flow)"
     t = Table(title=f"testbed: {requests} requests at QPS {qps:g} (offered load {records[0]['offered_load']:.2f}), "
-                    f"links {records[0]['link_mbps']:g} Mbit/s")
-    for col in ("scheme", "seed", "mean FCT s", "P95 FCT s", "errors", "flows/spine", "path match", "probes", "probe agree"):
+                    f"links {records[0]['link_mbps']:g} Mbit/s{who}")
+    cols = ["scheme", "seed", "mean FCT s", "P95 FCT s", "errors", "flows/spine", "path match", "probes", "probe agree"]
+    for col in cols + (["bytes verified"] if engine == "mooncake" else []):
         t.add_column(col, justify="right")
     for r in records:
         pm = r["path_match_fraction"]
-        t.add_row(r["scheme"], str(r["seed"]), f"{r['fct_mean_s']:.4f}", f"{r['fct_p95_s']:.4f}", str(r["errors"]),
-                  str(r["flows_per_spine"]), "-" if pm is None else f"{pm:.2%} of {r['path_checked']}",
-                  str(r["probes_sent"]), f"{r['probe_agreement_fraction']:.4%}")
+        row = [r["scheme"] + (" (agents up)" if r["ecmp_agents"] else ""), str(r["seed"]), f"{r['fct_mean_s']:.4f}", f"{r['fct_p95_s']:.4f}", str(r["errors"]),
+               str(r["flows_per_spine"]), "-" if pm is None else f"{pm:.2%} of {r['path_checked']}",
+               str(r["probes_sent"]), f"{r['probe_agreement_fraction']:.4%}"]
+        if engine == "mooncake":
+            row.append(f"{r['bytes_verified_fraction']:.2%} ({r['flows_verified']} flows)")
+        t.add_row(*row)
     out.print(t)
     for r in records:
         ch = r.get("fabric_change")

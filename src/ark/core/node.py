@@ -323,6 +323,13 @@ class Node:
             raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
         return self._lease(flow)
 
+    def more_ports(self, flow: FlowId, n: int) -> list[int]:
+        """Up to ``n`` more ports of the flow's current path, held until it is released."""
+        flow = self.resolve(flow)
+        if flow not in self._local:
+            raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
+        return self.core.more_ports(flow, n)
+
     def local_flows(self) -> list[FlowId]:
         return list(self._local)
 

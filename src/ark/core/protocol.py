@@ -162,6 +162,9 @@ class _Own:
     # Ports the flow held before a re-path: its owner may still be sending on them until
     # it moves, so they stay claimed until the flow is released.
     stale: list[int] = field(default_factory=list)
+    # More ports of its path (more_ports): an engine that opens several connections per
+    # transfer binds each to its own port; claimed until the flow is released.
+    extra: list[int] = field(default_factory=list)
 
 
 class Repath(NamedTuple):
@@ -437,7 +440,7 @@ class ArkCore:
             raise CoreError(f"flow: {flow} is not an active local flow")
         self._settle()
         buckets = self._bucket(own.dst, own.dport)
-        for port in (own.port, *own.stale):
+        for port in (own.port, *own.stale, *own.extra):
             buckets.give(port)
         entry = self._entries.get(flow)
         msg = Release(flow, float(now))
@@ -479,6 +482,25 @@ class ArkCore:
         msg = Renew(flow, float(now), expires)
         self._apply_renew(entry, msg)
         return (msg,)
+
+    def more_ports(self, flow: FlowId, n: int) -> list[int]:
+        """Up to ``n`` more free source ports of a local flow's path, claimed for the flow
+        until it is released; fewer (or none) when its bucket has no more free ports."""
+        self._settle()  # the flow's path as every deferred message leaves it
+        own = self._own.get(flow)
+        if own is None:
+            raise CoreError(f"flow: {flow} is not an active local flow")
+        if n < 0:
+            raise CoreError(f"n: must be >= 0; got {n}")
+        buckets = self._bucket(own.dst, own.dport)
+        out: list[int] = []
+        while len(out) < n:
+            port = buckets.try_take(own.path)
+            if port is None:
+                break
+            out.append(port)
+        own.extra.extend(out)
+        return out
 
     def receive(self, msg: Message, now: float, sender: int | None = None, *, defer: bool = False) -> list[Repath]:
         """Apply a peer's message; returns changes to local flows (races lost).

@@ -433,6 +433,6 @@ def converge(st: State) -> None:
                     ipr.route("replace", dst=lay.host_subnet(a), gateway=lay.uplink_ips(a, k)[0])
 
 
-def spawn_in_host(st: State, i: int, argv: Sequence[str], log: Path) -> Any:
+def spawn_in_host(st: State, i: int, argv: Sequence[str], log: Path, env: dict[str, str] | None = None) -> Any:
     with open(log, "ab") as fh:  # the child keeps its own copy of the descriptor
-        return netns.spawn(st.layout.host_ns(i), argv, stdout=fh, stderr=fh, stdin=subprocess.DEVNULL)
+        return netns.spawn(st.layout.host_ns(i), argv, stdout=fh, stderr=fh, stdin=subprocess.DEVNULL, env=env)

@@ -44,12 +44,13 @@ def cross_leaf_pairs(st: State, flows: list[FlowSpec]) -> Pairs:
     return pairs
 
 
-def map_file(st: State, src: int, dst: int) -> Path:
-    """Where host ``src``'s probed map towards ``dst`` lives (the cluster's pathmap_dir)."""
-    return st.dir / "maps" / pathmap_filename(f"gpu{src}", f"gpu{dst}", st.spec.dport)
+def map_file(st: State, src: int, dst: int, dport: int | None = None) -> Path:
+    """Where host ``src``'s probed map towards ``dst`` (``dport``: default the testbed's) lives."""
+    return st.dir / "maps" / pathmap_filename(f"gpu{src}", f"gpu{dst}", st.spec.dport if dport is None else dport)
 
 
-def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) -> Path:
+def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128,
+                 probe_check_s: float = PROBE_CHECK_S) -> Path:
     """Keys (once) and a cluster file whose agents talk over the management network."""
     spec, lay = st.spec, st.layout
     keys = st.dir / "keys"
@@ -66,7 +67,7 @@ def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) 
         policy=policy, dport=spec.dport, port_range=f"{spec.port_range[0]}-{spec.port_range[1]}",
         lease_min_s=lease_min_s, heartbeat_s=0.5, peer_timeout_s=2.0, sync_timeout_s=1.0, pathmap_dir="maps",
         state_dir="state",
-        routers_file="routers.json", probe_proto="tcp", probe_sample=sample, probe_check_s=PROBE_CHECK_S,
+        routers_file="routers.json", probe_proto="tcp", probe_sample=sample, probe_check_s=probe_check_s,
     )
     fabric = FabricConfig(leaves=spec.leaves, spines=spec.spines, gpus_per_leaf=spec.gpus_per_leaf,
                           link_gbps=spec.link_gbps * spec.scale, nic_gbps=spec.nic_gbps * spec.scale,

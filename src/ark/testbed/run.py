@@ -33,14 +33,16 @@ import numpy as np
 
 from ark.agent.client import wait_ready
 from ark.core.flows import FlowSpec
+from ark.testbed import engines
 from ark.testbed.capture import SpineCounters, counting
 from ark.testbed.change import fabric_change
 from ark.testbed.fabric import State, TestbedError, set_link, spawn_in_host
-from ark.testbed.plan import Pairs, cluster_file, cross_leaf_pairs, plan_flows
+from ark.testbed.plan import PROBE_CHECK_S, Pairs, cluster_file, cross_leaf_pairs, plan_flows
 from ark.testbed.probing import Progress, _quiet, probe_or_check
 from ark.testbed.transfer import SendPlan
 
 TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance")
+ENGINES = ("builtin", "mooncake")  # the testbed's own TCP senders, or Mooncake Transfer Engines
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,21 @@ class RunParams:
     # (leaf, spine, seconds after the first flow): take that link down mid-run; hosts then
     # re-probe and agents reload their maps. The link comes back at the end of the run.
     fail_link: tuple[int, int, float] | None = None
+    engine: str = "builtin"
+    buffers: int = 1  # mooncake: requests (one connection each) per KV flow
+    # A control on a machine where every host shares a few cores: ECMP runs start the agents
+    # too (and ask them nothing), so both schemes pay their CPU.
+    ecmp_agents: bool = False
 
     def check(self, st: State) -> None:
         if self.scheme not in TESTBED_SCHEMES:
             raise TestbedError(f"scheme: must be one of {', '.join(TESTBED_SCHEMES)}; got {self.scheme!r}")
+        if self.engine not in ENGINES:
+            raise TestbedError(f"engine: must be one of {', '.join(ENGINES)}; got {self.engine!r}")
+        if not 1 <= self.buffers <= 256:
+            raise TestbedError(f"buffers: must be 1..256; got {self.buffers}")
+        if self.engine == "mooncake" and self.fail_link is not None:
+            raise TestbedError("fail_link: only with the builtin engine (steered Mooncake transfers do not follow re-paths)")
         if self.requests < 1:
             raise TestbedError(f"requests: must be >= 1; got {self.requests}")
         if not self.qps > 0:
@@ -93,21 +106,24 @@ class TestbedRun:
 
     def __init__(self, st: State, params: RunParams, flows: list[FlowSpec], progress: Progress) -> None:
         self.st, self.params, self.flows, self.progress = st, params, flows, progress
-        self.work = st.dir / f"run-{params.scheme}-{params.seed}"
+        self.work = st.dir / f"run-{params.engine}-{params.scheme}-{params.seed}"
         shutil.rmtree(self.work, ignore_errors=True)  # logs and results of this run only
         self.work.mkdir(parents=True)
         self.procs: list[subprocess.Popen[bytes]] = []
         self.apis: dict[int, str] = {}
+        self.dports = [st.spec.dport]  # the receivers' ports (mooncake: handshake and data, both probed)
         self.senders = sorted({f.src for f in flows})
 
-    def _spawn(self, host: int, argv: list[str], log: str) -> subprocess.Popen[bytes]:
-        p = spawn_in_host(self.st, host, argv, self.work / log)
+    def _spawn(self, host: int, argv: list[str], log: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        p = spawn_in_host(self.st, host, argv, self.work / log, env)
         self.procs.append(p)
         return p
 
     def start_receivers(self) -> list[int]:
         lay, port = self.st.layout, self.st.spec.dport
         receivers = sorted({f.dst for f in self.flows})
+        if self.params.engine == "mooncake":
+            return engines.start_receivers(self, receivers)
         for d in receivers:
             self._spawn(d, [sys.executable, "-m", "ark.testbed.transfer", "serve", "--bind", lay.host_ip(d),
                             "--port", str(port), "--ready", str(self.work / f"ready-gpu{d}")], f"recv-gpu{d}.log")
@@ -130,6 +146,8 @@ class TestbedRun:
             time.sleep(0.05)
 
     def start_senders(self, t0: float) -> list[subprocess.Popen[bytes]]:
+        if self.params.engine == "mooncake":
+            return engines.start_senders(self, t0)
         lay, fab = self.st.layout, self.st.spec.fabric()
         names = {h.index: h.name for h in fab.hosts}
         out = []
@@ -140,7 +158,7 @@ class TestbedRun:
             pf.write_bytes(msgspec.json.encode(plan))
             argv = [sys.executable, "-m", "ark.testbed.transfer", "send", "--plan", str(pf), "--src-ip",
                     lay.host_ip(s), "--t0", repr(t0), "--out", str(self.work / f"out-gpu{s}.json")]
-            if s in self.apis:
+            if s in self.apis and self.params.scheme != "ecmp":
                 argv += ["--api", self.apis[s]]
             out.append(self._spawn(s, argv, f"send-gpu{s}.log"))
         self.progress(f"{len(self.flows)} flows from {len(self.senders)} senders")
@@ -172,26 +190,39 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
         raise TestbedError("testbed: build incomplete; run `ark testbed down` and `up` again")
     flows, load = plan_flows(st, params.requests, params.qps, params.seed)
     pairs = cross_leaf_pairs(st, flows)
-    cluster = cluster_file(st, params.scheme if params.scheme != "ecmp" else "ark", params.lease_min_s, params.sample)
-    probe_info = probe_or_check(st, pairs, params.sample, cluster, reprobe, progress)
+    # Mooncake runs change no link, so their agents skip the periodic re-probe: on 2 cores
+    # shared by 16 hosts its CPU would come out of the engines' share.
+    check_s = 0.0 if params.engine == "mooncake" else PROBE_CHECK_S
+    cluster = cluster_file(st, params.scheme if params.scheme != "ecmp" else "ark", params.lease_min_s, params.sample,
+                           check_s)
+    dports = engines.data_ports(st, sorted({f.dst for f in flows})) if params.engine == "mooncake" else None
+    probe_info = probe_or_check(st, pairs, params.sample, cluster, reprobe, progress, dports)
     tr = TestbedRun(st, params, flows, progress)
+    tr.dports = dports or [st.spec.dport]
     change: dict[str, Any] = {}
+    verified = None
     try:
         receivers = tr.start_receivers()
-        if params.scheme != "ecmp":
+        if params.scheme != "ecmp" or params.ecmp_agents:
             tr.start_agents(cluster)
         tr.wait_receivers(receivers)
         counters = _send(tr, pairs, cluster, change)
+        verified = engines.verify(tr, receivers) if params.engine == "mooncake" else None
     finally:
         _stop(tr.procs)
         if params.fail_link is not None:
             set_link(st, params.fail_link[0], params.fail_link[1], True)
-    return _record(st, params, flows, tr.results(), counters, probe_info, load, change)
+    rec = _record(st, params, flows, tr.results(), counters, probe_info, load, change)
+    if verified is not None:
+        engines.add_verdicts(rec, verified)
+    return rec
 
 
 def _send(tr: TestbedRun, pairs: Pairs, cluster: Path, change: dict[str, Any]) -> SpineCounters:
     """Senders under the spine counters, with the fabric change beside them if asked for."""
-    t0 = time.time() + 1.5  # every sender imported and waiting
+    # Every sender imported and waiting (a Mooncake sender also initializes its engine and
+    # registers its buffers, which takes seconds on a busy 2-core machine).
+    t0 = time.time() + (engines.LEAD_S if tr.params.engine == "mooncake" else 1.5)
     with counting(tr.st) as counters:
         sprocs = tr.start_senders(t0)
         changer = None
@@ -211,12 +242,13 @@ def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
     src_ip, dst_ip, dport = lay.host_ip(f.src), lay.host_ip(f.dst), st.spec.dport
     segs = []
     for sg in r.get("segments") or []:
-        crossed = counters.spines_of((src_ip, sg["sport"], dst_ip, dport), sg["t0"], sg["t1"])
+        crossed = counters.spines_of((src_ip, sg["sport"], dst_ip, sg.get("dport", dport)), sg["t0"], sg["t1"])
         segs.append({**sg, "spine_bytes": {str(k): v for k, v in sorted(crossed.items())},
                      "spine": max(crossed, key=lambda k: crossed[k]) if crossed else None})
     fr: dict[str, Any] = {"id": r["id"], "src": f"gpu{f.src}", "dst": f"gpu{f.dst}", "bytes": f.nbytes,
                           "start_s": f.start_s, "sport": r["sport"], "fct_s": r.get("fct_s"),
                           "error": r["error"], "spine": segs[0]["spine"] if segs else None, "segments": segs}
+    fr.update({k: r[k] for k in ("late_s", "connections", "steer_error", "repathed", "ecmp", "reserve_s") if k in r})
     if params.scheme != "ecmp" and r["path"] is not None and lay.leaf_of(f.src) != lay.leaf_of(f.dst):
         fr.update(reserved_spine=r["path"], reserved=r["reserved"], reserve_s=r.get("reserve_s"))
         # Matched: on every connection of the flow, every payload byte crossed the spine
@@ -238,7 +270,8 @@ def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[d
     checked = [fr["path_match"] for fr in per_flow if "path_match" in fr]
     fct = np.asarray([r["fct_s"] for r in per_flow if r["fct_s"] is not None])
     rec: dict[str, Any] = {
-        "scheme": params.scheme, "qps": params.qps, "seed": params.seed, "requests": params.requests,
+        "scheme": params.scheme, "engine": params.engine, "buffers": params.buffers,
+        "ecmp_agents": params.ecmp_agents and params.scheme == "ecmp", "qps": params.qps, "seed": params.seed, "requests": params.requests,
         "scale": st.spec.scale, "link_mbps": st.spec.link_gbps * st.spec.scale * 1e3,
         "offered_load": round(load, 4), "hash_policy": st.spec.hash_policy,
         "fct_mean_s": float(fct.mean()) if len(fct) else math.nan,

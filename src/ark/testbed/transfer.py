@@ -193,14 +193,39 @@ def _flow(f: FlowSpec, plan: SendPlan, src_ip: str, t0: float, api: str | None, 
     out.append(rec)
 
 
-def send(plan: SendPlan, src_ip: str, t0: float, api: str | None) -> list[dict[str, Any]]:
+def run_flows(flow: Callable[..., None], args: Sequence[tuple[Any, ...]]) -> list[dict[str, Any]]:
+    """One thread per flow, ``flow(*a, out)`` appending its record; the records by flow id."""
     out: list[dict[str, Any]] = []
-    threads = [threading.Thread(target=_flow, args=(f, plan, src_ip, t0, api, out)) for f in plan.flows]
+    threads = [threading.Thread(target=flow, args=(*a, out)) for a in args]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
     return sorted(out, key=lambda r: r["id"])
+
+
+def send(plan: SendPlan, src_ip: str, t0: float, api: str | None) -> list[dict[str, Any]]:
+    return run_flows(_flow, [(f, plan, src_ip, t0, api) for f in plan.flows])
+
+
+def add_send_parser(sub: Any, plan_help: str) -> None:
+    """The ``send`` subcommand of a testbed sender (plan, source address, start, agent, output)."""
+    c = sub.add_parser("send")
+    c.add_argument("--plan", required=True, help=plan_help)
+    c.add_argument("--src-ip", required=True)
+    c.add_argument("--t0", type=float, required=True, help="wall-clock time of plan offset 0")
+    c.add_argument("--api", help="agent API endpoint (ARK); absent: ECMP")
+    c.add_argument("--out", required=True)
+
+
+def run_send(a: argparse.Namespace, plan_type: type[Any], sender: Callable[..., list[dict[str, Any]]]) -> int:
+    """Decode the plan file, send, write the flow records."""
+    with open(a.plan, "rb") as fp:
+        plan = msgspec.json.decode(fp.read(), type=plan_type)
+    res = sender(plan, a.src_ip, a.t0, a.api)
+    with open(a.out, "w") as fp:
+        json.dump(res, fp)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -210,22 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--bind", required=True)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--ready")
-    c = sub.add_parser("send")
-    c.add_argument("--plan", required=True, help="JSON SendPlan: flows and addresses")
-    c.add_argument("--src-ip", required=True)
-    c.add_argument("--t0", type=float, required=True, help="wall-clock time of plan offset 0")
-    c.add_argument("--api", help="agent API endpoint (ARK); absent: ECMP")
-    c.add_argument("--out", required=True)
+    add_send_parser(sub, "JSON SendPlan: flows and addresses")
     a = ap.parse_args(argv)
     if a.cmd == "serve":
         serve(a.bind, a.port, a.ready)
         return 0
-    with open(a.plan, "rb") as fp:
-        plan = msgspec.json.decode(fp.read(), type=SendPlan)
-    res = send(plan, a.src_ip, a.t0, a.api)
-    with open(a.out, "w") as fp:
-        json.dump(res, fp)
-    return 0
+    return run_send(a, SendPlan, send)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,260 @@
+"""Mooncake's ``TransferEngine`` with every write steered onto a path ARK reserved.
+
+    from ark.integrations.mooncake import SteeredTransferEngine
+
+    engine = SteeredTransferEngine.from_cluster("cluster.toml", "gpu0")   # wraps a new TransferEngine
+    engine.initialize("10.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    engine.register_memory(buf, size)
+    engine.batch_transfer_sync_write("10.0.1.1:15123", bufs, peer_addrs, lengths)   # steered
+
+The process must run with the ``connect()`` interposer preloaded (``ark preload -- python
+serve.py``): Mooncake's TCP transport opens its connections itself, without binding. By
+default (mooncake-transfer-engine 0.3.13) it keeps up to ``MC_TCP_LANES_PER_PEER`` (4)
+pooled connections per peer, opened once from its I/O thread and reused by every later
+transfer: no lease can steer a connection that outlives its transfer. With
+``MC_TCP_ENABLE_CONNECTION_POOL=0`` it opens one connection per request, from the thread that
+submits it, and closes it when the request is done. The wrapper therefore sets that variable
+to ``0`` when it is unset (before the engine's ``initialize``, which reads it) and refuses a
+pooled setting.
+
+A steered write (``transfer_sync_write``, ``batch_transfer_sync_write``, ``transfer_sync`` and
+``batch_transfer_sync`` with the write opcode, or any engine call inside :meth:`steer`):
+
+1. enters a rule for the peer's address that skips its handshake (RPC) port;
+2. when the engine opens its first data connection, the rule's resolver learns the data
+   port it connects to and takes a lease from the local agent for (peer, bytes, that port),
+   plus more ports of the leased path (``more_ports``) for the other connections;
+3. each connection is bound to the next free one of those ports (ports still in TIME_WAIT
+   from earlier transfers are skipped, and more are asked for when they run out);
+4. the lease is renewed in the background while the call runs and released when it returns
+   or fails.
+
+Reads are not steered: their bytes flow from the peer, over the path its leaf picks for the
+reversed 4-tuple, which a lease of this host does not name. Everything else (``initialize``,
+``register_memory``, reads, the asynchronous calls, ...) goes to the engine unchanged. When
+the agent cannot be reached, the transfer goes out unsteered (plain ECMP) and its record says
+why (:meth:`last_transfer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ark.agent.client import ArkClient, ArkClientError
+from ark.core.node import Lease
+from ark.integrations.preload import Connection, Rule, RuleStats, require
+
+log = logging.getLogger("ark.integrations.mooncake")
+POOL_ENV = "MC_TCP_ENABLE_CONNECTION_POOL"
+
+
+class SteeringError(ValueError):
+    """A steered call that cannot be steered as asked (bad target, pooled lanes)."""
+
+
+@dataclass
+class Transfer:
+    """What one steered call did: its lease, the ports it was given, its connections."""
+
+    target: str
+    dst: str
+    nbytes: int
+    dport: int | None = None  # the peer's data port, learnt at the first connection
+    lease: Lease | None = None
+    ports: list[int] = field(default_factory=list)
+    # The path each port was handed for (the lease's, or the one a race moved the flow to).
+    port_paths: dict[int, int] = field(default_factory=dict)
+    connections: list[Connection] = field(default_factory=list)
+    stats: RuleStats | None = None
+    reserve_s: float | None = None
+    error: str | None = None  # why (part of) it went out unsteered
+    # The lease as it stood when the call ended: another path than ``lease`` means the table
+    # re-pathed the flow (a race lost) while its connections stayed where they were.
+    final: Lease | None = None
+
+    @property
+    def repathed(self) -> bool:
+        return self.lease is not None and self.final is not None and self.final.path != self.lease.path
+
+    @property
+    def steered(self) -> bool:
+        """Every connection of the call was bound to a port of its leased path."""
+        return bool(self.connections) and all(c.steered for c in self.connections) and self.error is None
+
+    @property
+    def ecmp(self) -> bool:
+        """The lease reserved nothing (every path busy): the connections were left to ECMP."""
+        return self.lease is not None and not self.lease.reserved
+
+
+def pool_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether Mooncake's TCP transport would use pooled lanes (unset: its default, pooled)."""
+    v = (os.environ if env is None else env).get(POOL_ENV)
+    return v is None or v.lower() not in ("0", "false", "no")
+
+
+def parse_target(target: Any) -> tuple[str, int]:
+    """``"host:port"`` (Mooncake's session name) -> (IPv4 address, handshake port)."""
+    if not isinstance(target, str) or target.count(":") != 1:
+        raise SteeringError(f"target_hostname: expected 'HOST:PORT'; got {target!r}")
+    host, port_s = target.split(":")
+    if not port_s.isdigit() or not 1 <= int(port_s) <= 0xFFFF:
+        raise SteeringError(f"target_hostname: port must be 1..65535; got {target!r}")
+    try:
+        ip = str(ipaddress.IPv4Address(host))
+    except ValueError:
+        try:
+            ip = socket.gethostbyname(host)
+        except OSError:
+            raise SteeringError(f"target_hostname: {host!r} is neither an IPv4 address nor a resolvable name") from None
+    return ip, int(port_s)
+
+
+def _byte_count(lengths: Sequence[Any]) -> int:
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
+        raise SteeringError("lengths: expected integers >= 0")
+    return sum(lengths)
+
+
+class SteeredTransferEngine:
+    """A drop-in for ``mooncake.engine.TransferEngine`` whose writes take ARK leases.
+
+    ``hosts`` maps a peer's data address (what its ``target_hostname`` names) to its name in
+    the cluster file; ``agent`` is the local agent's API endpoint. A transfer first asks for
+    one port per connection it expects; when every port it holds is taken (still in TIME_WAIT
+    from an earlier transfer), it asks for ``spare`` more than the connections still expected.
+    """
+
+    def __init__(self, engine: Any = None, *, agent: str, hosts: Mapping[str, str], spare: int = 4,
+                 timeout_s: float = 5.0) -> None:
+        if POOL_ENV not in os.environ:
+            os.environ[POOL_ENV] = "0"  # one connection per request, from the submitting thread
+        if pool_enabled():
+            raise SteeringError(f"{POOL_ENV}: pooled lanes are opened once per peer and outlive every transfer, so a "
+                                "lease cannot steer them; unset it (one connection per request) or use TransferEngine")
+        if isinstance(spare, bool) or not isinstance(spare, int) or not 0 <= spare <= 256:
+            raise SteeringError(f"spare: expected an integer 0..256; got {spare!r}")
+        self.hosts = {str(ipaddress.IPv4Address(ip)): str(name) for ip, name in hosts.items()}
+        require()  # the interposer must be loaded, or nothing could be steered
+        if engine is None:
+            from mooncake.engine import TransferEngine
+
+            engine = TransferEngine()
+        self.engine = engine
+        self.agent, self.spare, self.timeout_s = agent, spare, timeout_s
+        self._client = ArkClient(agent, timeout_s)  # shared by the calling threads (it locks)
+        self._local = threading.local()
+
+    @classmethod
+    def from_cluster(cls, cluster_path: str, host: str, engine: Any = None, **kw: Any) -> SteeredTransferEngine:
+        """The agent of ``host`` and every fabric host's address, from a cluster file."""
+        from ark.agent.cluster import load
+
+        cl = load(cluster_path)
+        me = cl.host(host)
+        return cls(engine, agent=me.api, hosts={cl.fabric.hosts[h.index].ip: h.name for h in cl.hosts}, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)  # every other engine call, unchanged
+
+    def last_transfer(self) -> Transfer | None:
+        """This thread's last steered call."""
+        t: Transfer | None = getattr(self._local, "last", None)
+        return t
+
+    # ------------------------------------------------------------------ steering
+    @contextlib.contextmanager
+    def steer(self, target_hostname: str, nbytes: int, connections: int = 1) -> Iterator[Transfer]:
+        """Engine calls of this thread inside the block: their data connections to the
+        target take ports of a path reserved for ``nbytes`` (lease renewed, released at exit)."""
+        ip, rpc_port = parse_target(target_hostname)
+        dst = self.hosts.get(ip)
+        if dst is None:
+            raise SteeringError(f"target_hostname: {ip} is not a cluster host's data address "
+                                f"(known: {', '.join(sorted(self.hosts)) or 'none'})")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise SteeringError(f"nbytes: expected an integer >= 0; got {nbytes!r}")
+        t = Transfer(target_hostname, dst, nbytes)
+        with contextlib.ExitStack() as stack:
+            client = self._client
+            rule = Rule(ip, skip_port=rpc_port, hint=max(1, min(connections, 4096)),
+                        resolver=lambda dport, need: self._ports(t, client, stack, dport, need))
+            try:
+                with rule:
+                    yield t
+            finally:
+                t.connections, t.stats = rule.connections(), rule.stats()
+                if not t.connections and nbytes > 0 and t.error is None and rule.resolver_error is None:
+                    t.error = (f"no connection to {ip} was opened from this thread: the engine reused one "
+                               f"(pooled lanes, {POOL_ENV} was set after it initialized?)")
+                if rule.resolver_error is not None:
+                    t.error = f"{type(rule.resolver_error).__name__}: {rule.resolver_error}"
+                    log.warning("transfer to %s went out unsteered: %s", target_hostname, t.error)
+                rule.close()
+                self._local.last = t
+                if t.lease is not None:
+                    with contextlib.suppress(ArkClientError):
+                        t.final = client.current(t.lease.flow_id)
+            # leaving the stack stops the renewer and releases the lease
+
+    def _ports(self, t: Transfer, client: ArkClient, stack: contextlib.ExitStack, dport: int, need: int) -> list[int]:
+        """The rule's resolver: lease on the first data connection, then more ports."""
+        if t.lease is None:
+            t0 = time.perf_counter()
+            t.dport = dport
+            held = stack.enter_context(client.lease(t.dst, t.nbytes, dport))  # renewed until the stack closes
+            t.lease = lease = held.current  # as reserved (the held lease follows later re-paths)
+            if not lease.reserved:
+                # Every path is taken: plain ECMP, which for a transfer of several connections
+                # means each hashed on its own (one port of one random path would pile them up).
+                t.reserve_s = time.perf_counter() - t0
+                return []
+            # One port per expected connection; spares only when some are held (TIME_WAIT).
+            path, more = client.more_ports(lease.flow_id, need - 1) if need > 1 else (lease.path, [])
+            t.reserve_s = time.perf_counter() - t0
+            t.port_paths[lease.src_port] = lease.path
+            ports = [lease.src_port, *more]
+        else:  # every port so far is held: more, with spares
+            path, more = client.more_ports(t.lease.flow_id, need + self.spare)
+            ports = more
+        t.port_paths.update(dict.fromkeys(more, path))
+        t.ports += ports
+        return ports
+
+    # ------------------------------------------------------------------ drop-in calls
+    def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
+                            transport_hint: str = "") -> int:
+        with self.steer(target_hostname, _byte_count([length]), 1):
+            return int(self.engine.transfer_sync_write(target_hostname, buffer, peer_buffer_address, length,
+                                                       transport_hint))
+
+    def batch_transfer_sync_write(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
+                                  lengths: list[int], transport_hint: str = "") -> int:
+        with self.steer(target_hostname, _byte_count(lengths), len(lengths)):
+            return int(self.engine.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths,
+                                                             transport_hint))
+
+    def transfer_sync(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int, opcode: Any,
+                      notify: Any = None, transport_hint: str = "") -> int:
+        args = (target_hostname, buffer, peer_buffer_address, length, opcode, notify, transport_hint)
+        if opcode != self.engine.TransferOpcode.Write:
+            return int(self.engine.transfer_sync(*args))
+        with self.steer(target_hostname, _byte_count([length]), 1):
+            return int(self.engine.transfer_sync(*args))
+
+    def batch_transfer_sync(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
+                            lengths: list[int], opcode: Any, notify: Any = None, transport_hint: str = "") -> int:
+        args = (target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify, transport_hint)
+        if opcode != self.engine.TransferOpcode.Write:
+            return int(self.engine.batch_transfer_sync(*args))
+        with self.steer(target_hostname, _byte_count(lengths), len(lengths)):
+            return int(self.engine.batch_transfer_sync(*args))

@@ -1,0 +1,237 @@
+"""The ``connect()`` interposer (``steer.c``): build it, load it, drive it from Python.
+
+A transfer engine opens its TCP connections itself (Mooncake's TCP transport connects
+without binding), so ARK cannot hand it a socket. Instead ``libarksteer.so`` is loaded
+with the engine's process (``LD_PRELOAD``) and defines ``connect()``: while a thread has
+entered a :class:`Rule`, its unbound TCP connects to the rule's peer are bound to the
+rule's ports first (ports of the path the transfer reserved). A thread without a rule, or
+a process without the library, connects exactly as before.
+
+The library is compiled from the C source shipped in this package, once per source
+version, into ``$ARK_CACHE_DIR`` (default ``~/.cache/ark``); :func:`library` builds it if
+needed and returns its path, ``ark preload`` prints it or runs a command with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import ipaddress
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import TracebackType
+
+VERSION = 1
+MAX_PORTS = 4096
+LIB_NAME = "libarksteer"
+# resolver(dport, need) -> ports for the rule (the destination port the engine connects to)
+Resolver = Callable[[int, int], list[int]]
+_RESOLVE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint16, ctypes.c_int)
+
+
+class PreloadError(RuntimeError):
+    """The interposer cannot be built, or is not loaded in this process."""
+
+
+def source() -> bytes:
+    return resources.files("ark.integrations").joinpath("steer.c").read_bytes()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("ARK_CACHE_DIR") or Path.home() / ".cache" / "ark")
+
+
+def library(build: bool = True) -> Path:
+    """The interposer's shared object for this source (compiled on first use)."""
+    src = source()
+    out = cache_dir() / f"{LIB_NAME}-{hashlib.sha256(src).hexdigest()[:12]}.so"
+    if out.exists() or not build:
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise PreloadError("CC: no C compiler found (install gcc: scripts/install-mooncake-deps.sh)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        c_file = Path(tmp) / "steer.c"
+        c_file.write_bytes(src)
+        so = Path(tmp) / out.name
+        cmd = [cc, "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(so), str(c_file), "-ldl", "-lpthread"]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise PreloadError(f"cc: building {out.name} failed: {res.stderr.strip().splitlines()[-1:]}")
+        so.replace(out)  # atomic: concurrent builders each rename a complete file
+    return out
+
+
+def preload_env(env: dict[str, str] | None = None, lib: Path | None = None) -> dict[str, str]:
+    """``env`` (default: this process's) with the interposer first in ``LD_PRELOAD``."""
+    env = dict(os.environ if env is None else env)
+    path = str(lib or library())
+    rest = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p and p != path]
+    env["LD_PRELOAD"] = " ".join([path, *rest])
+    return env
+
+
+class _Lib:
+    """The loaded interposer's functions (found through this process's global scope)."""
+
+    def __init__(self) -> None:
+        glob = ctypes.CDLL(None)
+        try:
+            version = glob.ark_steer_version
+        except AttributeError:
+            raise PreloadError("LD_PRELOAD: the ARK interposer is not loaded in this process; start it with "
+                               "`ark preload -- CMD` or LD_PRELOAD=$(ark preload)") from None
+        version.restype = ctypes.c_int
+        if version() != VERSION:
+            raise PreloadError(f"LD_PRELOAD: interposer version {version()} loaded, this ARK needs {VERSION}")
+        vp, i, u16p = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_uint16)
+        self.new = glob.ark_steer_new
+        self.new.restype, self.new.argtypes = vp, [ctypes.c_uint32, i, i, i, _RESOLVE, vp]
+        self.free = glob.ark_steer_free
+        self.free.restype, self.free.argtypes = None, [vp]
+        self.enter = glob.ark_steer_enter
+        self.enter.restype, self.enter.argtypes = None, [vp]
+        self.leave = glob.ark_steer_leave
+        self.leave.restype, self.leave.argtypes = None, []
+        self.add_ports = glob.ark_steer_add_ports
+        self.add_ports.restype, self.add_ports.argtypes = i, [vp, u16p, i]
+        self.set_ports = glob.ark_steer_set_ports
+        self.set_ports.restype, self.set_ports.argtypes = None, [vp, u16p, i]
+        self.stats = glob.ark_steer_stats
+        self.stats.restype, self.stats.argtypes = None, [vp, ctypes.POINTER(ctypes.c_int)]
+        self.log = glob.ark_steer_log
+        self.log.restype, self.log.argtypes = i, [vp, ctypes.POINTER(ctypes.c_int32), i]
+
+
+_lib: _Lib | None = None
+
+
+def loaded() -> bool:
+    """Whether the interposer is loaded in this process."""
+    try:
+        require()
+    except PreloadError:
+        return False
+    return True
+
+
+def require() -> _Lib:
+    """The loaded interposer (PreloadError, one line, when it is not loaded)."""
+    global _lib
+    if _lib is None:
+        _lib = _Lib()
+    return _lib
+
+
+def _ports_array(ports: list[int]) -> ctypes.Array[ctypes.c_uint16]:
+    for p in ports:
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 0xFFFF:
+            raise ValueError(f"ports: expected integers 1..65535; got {p!r}")
+    return (ctypes.c_uint16 * len(ports))(*ports)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One connection a rule saw: its source and destination ports; steered is True (bound
+    to a rule port), False (no port was free: it went out unbound) or None (recorded only)."""
+
+    sport: int
+    dport: int
+    steered: bool | None
+
+
+@dataclass(frozen=True)
+class RuleStats:
+    steered: int
+    fallback: int
+    recorded: int
+    resolves: int
+    ports: int
+
+
+class Rule:
+    """Connections from the thread that entered this rule, to ``dst_ip`` (any port but
+    ``skip_port``): bound to its ports (``steer``) or only recorded.
+
+    ``resolver(dport, need)`` is called from inside the engine's ``connect()`` when the rule
+    has no free port, with the destination port and the connections still expected; the
+    ports it returns are added. Use as a context manager in the thread that calls the engine.
+    """
+
+    def __init__(self, dst_ip: str, *, skip_port: int = 0, steer: bool = True, hint: int = 1,
+                 resolver: Resolver | None = None) -> None:
+        self._handle: int | None = None
+        try:
+            packed = ipaddress.IPv4Address(dst_ip).packed
+        except ValueError:
+            raise ValueError(f"dst_ip: expected an IPv4 address; got {dst_ip!r}") from None
+        if isinstance(skip_port, bool) or not isinstance(skip_port, int) or not 0 <= skip_port <= 0xFFFF:
+            raise ValueError(f"skip_port: expected 0..65535; got {skip_port!r}")
+        if isinstance(hint, bool) or not isinstance(hint, int) or not 1 <= hint <= MAX_PORTS:
+            raise ValueError(f"hint: expected 1..{MAX_PORTS} connections; got {hint!r}")
+        self._lib = require()
+        self.resolver = resolver
+        self.resolver_error: BaseException | None = None
+        self._cb = _RESOLVE(self._resolve)  # kept alive as long as the rule
+        # The C side compares with sin_addr.s_addr: the address bytes in network order.
+        handle = self._lib.new(int.from_bytes(packed, sys.byteorder), skip_port, int(steer), hint, self._cb if resolver else _RESOLVE(), None)
+        if not handle:
+            raise MemoryError("ark_steer_new")
+        self._handle = handle
+
+    def _resolve(self, _ctx: int | None, dport: int, need: int) -> int:
+        if self.resolver is None or self._handle is None:
+            return 0
+        try:
+            ports = self.resolver(int(dport), int(need))
+        except BaseException as e:  # never unwind through C: the connection falls back
+            self.resolver_error = e
+            return 0
+        return self.add_ports(ports) if ports else 0
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise ValueError("rule: already closed")
+        return self._handle
+
+    def add_ports(self, ports: list[int]) -> int:
+        arr = _ports_array(ports)
+        return int(self._lib.add_ports(self._live(), arr, len(ports)))
+
+    def set_ports(self, ports: list[int]) -> None:
+        arr = _ports_array(ports)
+        self._lib.set_ports(self._live(), arr, len(ports))
+
+    def stats(self) -> RuleStats:
+        out = (ctypes.c_int * 5)()
+        self._lib.stats(self._live(), out)
+        return RuleStats(*out)
+
+    def connections(self) -> list[Connection]:
+        buf = (ctypes.c_int32 * (3 * MAX_PORTS))()
+        n = self._lib.log(self._live(), buf, MAX_PORTS)
+        return [Connection(buf[3 * i], buf[3 * i + 1], None if buf[3 * i + 2] < 0 else bool(buf[3 * i + 2]))
+                for i in range(n)]
+
+    def __enter__(self) -> Rule:
+        self._lib.enter(self._live())
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self._lib.leave()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._lib.free(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
