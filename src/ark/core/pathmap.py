@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ark.core.hashing import hash_model, select_many
-from ark.core.topology import Fabric
+from ark.core.hashing import Seeds, hash_model, select, select_many
+from ark.core.topology import EcmpHop, Fabric
 
 ROCE_PORT_RANGE = (0xC000, 0xFFFF)  # ports a RoCEv2 GRH flow label can produce
 FULL_PORT_RANGE = (0, 0xFFFF)
@@ -223,23 +223,57 @@ def fabric_pathmap(
     port_range: tuple[int, int] = ROCE_PORT_RANGE,
     proto: int = 17,
 ) -> PathMap:
-    """The path map for host ``src`` -> host ``dst`` over ``fabric``.
+    """The path map for host ``src`` -> host ``dst`` over ``fabric``, inverting the hash
+    at every ECMP decision point.
 
-    In a 2-tier Clos only the source leaf has a choice (spine ``k`` = path ``k``); the
-    spine has one link down to the destination leaf.
+    In a 2-tier Clos only the source leaf has a choice (spine ``k`` = path ``k``). In a
+    3-tier Clos the leaf picks an aggregation switch and that switch a core: every port is
+    hashed by the leaf, then by the aggregation switch the leaf sent it to, each with its
+    own model, seed and selection, and the path is the members read as a mixed-radix
+    number (:meth:`~ark.core.topology.Fabric.ecmp_hops`).
     """
-    sw = fabric.source_switch(src)
-    return compute_buckets(
-        sw.hash,
-        sw.seed,
-        fabric.hosts[src].ip,
-        fabric.hosts[dst].ip,
-        dport,
-        fabric.n_paths(src, dst),
-        port_range,
-        sw.selection,
-        proto,
-    )
+    hops = fabric.ecmp_hops(src, dst)
+    first = fabric.source_switch(src)
+    if len(hops) <= 1:
+        return compute_buckets(first.hash, first.seed, fabric.hosts[src].ip, fabric.hosts[dst].ip, dport,
+                               fabric.n_paths(src, dst), port_range, first.selection, proto)
+    check_port_range(port_range)
+    if not 0 <= dport <= 0xFFFF:
+        raise PathMapError(f"dport: must be 0..65535, got {dport}")
+    s_ip, d_ip = fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int
+    lo, hi = port_range
+    ports = np.arange(lo, hi + 1, dtype=np.int64)
+    path = np.zeros(len(ports), dtype=np.int64)
+    for hop in hops:
+        path = path * hop.members + _hop_members(hop, path, s_ip, d_ip, dport, ports, proto)
+    n = fabric.n_paths(src, dst)
+    split = np.cumsum(np.bincount(path, minlength=n))[:-1]
+    buckets = tuple(np.split(ports[np.argsort(path.astype(np.int16), kind="stable")], split))
+    return PathMap(first.hash, first.seed, first.selection, fabric.hosts[src].ip, fabric.hosts[dst].ip, dport,
+                   port_range, buckets, proto)
+
+
+def _hop_members(
+    hop: EcmpHop, prefix: npt.NDArray[np.int64], s_ip: int, d_ip: int, dport: int,
+    ports: npt.NDArray[np.int64], proto: int,
+) -> npt.NDArray[np.int64]:
+    """The member each port's switch at this hop picks; the switch is ``hop.switches[prefix]``.
+
+    Switches sharing a hash model and selection are hashed in one vectorised pass, each
+    port under its own switch's seed.
+    """
+    member = np.empty(len(ports), dtype=np.int64)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, sw in enumerate(hop.switches):
+        groups.setdefault((sw.hash, sw.selection), []).append(i)
+    seeds = np.asarray([sw.seed for sw in hop.switches], dtype=np.int64)
+    for (name, selection), members in groups.items():
+        sel = np.isin(prefix, members) if len(groups) > 1 else np.ones(len(ports), dtype=bool)
+        model = hash_model(name)
+        seed: Seeds = int(seeds[0]) if len(hop.switches) == 1 else (seeds, prefix[sel])
+        member[sel] = select_many(model.hash_ports(seed, s_ip, d_ip, dport, ports[sel], proto), hop.members,
+                                  selection, model.bits)
+    return member
 
 
 def pathmap_filename(src: str, dst: str, dport: int) -> str:
@@ -290,16 +324,16 @@ class PathMapCache:
 
 
 def switch_path(fabric: Fabric, src: int, dst: int, sport: int, dport: int, proto: int = 17) -> int:
-    """The path the simulated switch picks for one packet, hashing its exact key bytes."""
-    from ark.core.hashing import select
-
-    n = fabric.n_paths(src, dst)
-    if n == 1:
-        return 0
-    sw = fabric.source_switch(src)
-    model = hash_model(sw.hash)
-    h = model.hash_one(sw.seed, fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int, sport, dport, proto)
-    return select(h, n, sw.selection, model.bits)
+    """The path the simulated switches pick for one packet, each hashing its exact key
+    bytes at its own ECMP decision, hop by hop."""
+    path = 0
+    s_ip, d_ip = fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int
+    for hop in fabric.ecmp_hops(src, dst):
+        sw = hop.switches[path] if len(hop.switches) > 1 else hop.switches[0]
+        model = hash_model(sw.hash)
+        h = model.hash_one(sw.seed, s_ip, d_ip, sport, dport, proto)
+        path = path * hop.members + select(h, hop.members, sw.selection, model.bits)
+    return path
 
 
 class PortBuckets:

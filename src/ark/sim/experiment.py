@@ -87,11 +87,13 @@ def place(cfg: ExperimentConfig, fabric: Fabric, qps: float, seed: int) -> list[
 
 def offered_load(fabric: Fabric, placed: Sequence[Placed], qps: float) -> float:
     """Nominal offered load: KV bytes per second that cross leaves, over the prefill leaves'
-    uplink capacity (QPS x mean KV bytes x 8 x cross-leaf share / (link rate x spines x leaves))."""
+    uplink capacity (QPS x mean KV bytes x 8 x cross-leaf share / (uplink rate x leaves));
+    2-tier: the uplink rate of a leaf is link rate x spines."""
     mean_bytes = float(np.mean([p.kv_bytes for p in placed]))
     cross = sum(fabric.n_paths(p.prefill_gpu, p.decode_gpu) > 1 for p in placed) / len(placed)
-    leaves_up = len({fabric.hosts[p.prefill_gpu].leaf for p in placed})
-    return qps * mean_bytes * 8 * cross / (fabric.link_bps * fabric.n_spines * max(1, leaves_up))
+    leaves_up = {fabric.hosts[p.prefill_gpu].leaf for p in placed}
+    up_bps = sum(fabric.uplink_bps(a) for a in leaves_up) / len(leaves_up)
+    return qps * mean_bytes * 8 * cross / (up_bps * max(1, len(leaves_up)))
 
 
 def _pct(a: np.ndarray, q: float) -> float:
