@@ -13,7 +13,7 @@ import click
 
 from ark.agent.client import ArkClientError
 from ark.agent.probe import ProbeError
-from ark.cli import agent, bench, experiment, pathmap, testbed
+from ark.cli import agent, bench, experiment, pathmap, sweep, testbed
 from ark.cli.common import err
 from ark.core.hashing import HashError
 from ark.core.pathmap import PathMapError
@@ -21,12 +21,13 @@ from ark.core.protocol import CoreError
 from ark.core.schema import ConfigError
 from ark.core.topology import TopologyError
 from ark.sim.engine import SimError
+from ark.sim.sweep import SweepError
 from ark.sim.workload import WorkloadError
 from ark.testbed.fabric import TestbedError
 
 USER_ERRORS = (
     ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError,
-    ArkClientError, TestbedError, ProbeError,
+    ArkClientError, TestbedError, ProbeError, SweepError,
 )
 
 
@@ -38,7 +39,7 @@ def cli() -> None:
 
 for command in (
     experiment.reproduce, experiment.simulate, pathmap.pathmap, bench.bench, agent.agent, agent.keygen,
-    agent.status, agent.ports, agent.cluster_cmd, agent.probe_cmd, testbed.testbed,
+    agent.status, agent.ports, agent.cluster_cmd, agent.probe_cmd, testbed.testbed, sweep.sweep,
 ):
     cli.add_command(command)
 

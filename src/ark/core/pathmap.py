@@ -74,6 +74,8 @@ class PathMap:
 
     def __post_init__(self) -> None:
         lo, hi = self.port_range
+        if len(self._lookup) == hi - lo + 1:  # given by the builder, which knows it already
+            return
         lut = np.full(hi - lo + 1, -1, dtype=np.int16)
         for k, ports in enumerate(self.buckets):
             lut[ports - lo] = k
@@ -201,18 +203,21 @@ def compute_buckets(
     lo, hi = port_range
     ports = np.arange(lo, hi + 1, dtype=np.int64)
     member = select_many(model.hash_ports(seed, s, d, dport, ports, proto), paths, selection, model.bits)
-    buckets = tuple(ports[member == k] for k in range(paths))
-    return PathMap(
-        hash_name,
-        seed,
-        selection,
-        str(ipaddress.IPv4Address(s)),
-        str(ipaddress.IPv4Address(d)),
-        dport,
-        port_range,
-        buckets,
-        proto,
-    )
+    return _from_paths(hash_name, seed, selection, s, d, dport, ports, member, paths, proto)
+
+
+def _from_paths(
+    hash_name: str, seed: int, selection: str, s: int, d: int, dport: int,
+    ports: npt.NDArray[np.int64], path: npt.NDArray[np.int64], paths: int, proto: int,
+) -> PathMap:
+    """The map of a contiguous port range from each port's path."""
+    lut = path.astype(np.int16)
+    ordered = ports[np.argsort(lut, kind="stable")]  # stable: every bucket stays sorted
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(lut, minlength=paths)))).tolist()
+    buckets = tuple(ordered[bounds[k]:bounds[k + 1]] for k in range(paths))
+    rng = (int(ports[0]), int(ports[-1]))
+    return PathMap(hash_name, seed, selection, str(ipaddress.IPv4Address(s)), str(ipaddress.IPv4Address(d)),
+                   dport, rng, buckets, proto, lut)
 
 
 def fabric_pathmap(
@@ -246,11 +251,8 @@ def fabric_pathmap(
     path = np.zeros(len(ports), dtype=np.int64)
     for hop in hops:
         path = path * hop.members + _hop_members(hop, path, s_ip, d_ip, dport, ports, proto)
-    n = fabric.n_paths(src, dst)
-    split = np.cumsum(np.bincount(path, minlength=n))[:-1]
-    buckets = tuple(np.split(ports[np.argsort(path.astype(np.int16), kind="stable")], split))
-    return PathMap(first.hash, first.seed, first.selection, fabric.hosts[src].ip, fabric.hosts[dst].ip, dport,
-                   port_range, buckets, proto)
+    return _from_paths(first.hash, first.seed, first.selection, s_ip, d_ip, dport, ports, path,
+                       fabric.n_paths(src, dst), proto)
 
 
 def _hop_members(
@@ -262,17 +264,22 @@ def _hop_members(
     Switches sharing a hash model and selection are hashed in one vectorised pass, each
     port under its own switch's seed.
     """
-    member = np.empty(len(ports), dtype=np.int64)
     groups: dict[tuple[str, str], list[int]] = {}
     for i, sw in enumerate(hop.switches):
         groups.setdefault((sw.hash, sw.selection), []).append(i)
     seeds = np.asarray([sw.seed for sw in hop.switches], dtype=np.int64)
-    for (name, selection), members in groups.items():
-        sel = np.isin(prefix, members) if len(groups) > 1 else np.ones(len(ports), dtype=bool)
+    if len(groups) == 1:  # the usual case: one model and selection per tier
+        ((name, selection),) = groups
         model = hash_model(name)
-        seed: Seeds = int(seeds[0]) if len(hop.switches) == 1 else (seeds, prefix[sel])
-        member[sel] = select_many(model.hash_ports(seed, s_ip, d_ip, dport, ports[sel], proto), hop.members,
-                                  selection, model.bits)
+        seed: Seeds = int(seeds[0]) if len(hop.switches) == 1 else (seeds, prefix)
+        return select_many(model.hash_ports(seed, s_ip, d_ip, dport, ports, proto), hop.members, selection,
+                           model.bits)
+    member = np.empty(len(ports), dtype=np.int64)
+    for (name, selection), members in groups.items():
+        sel = np.isin(prefix, members)
+        model = hash_model(name)
+        member[sel] = select_many(model.hash_ports((seeds, prefix[sel]), s_ip, d_ip, dport, ports[sel], proto),
+                                  hop.members, selection, model.bits)
     return member
 
 
@@ -286,14 +293,21 @@ class PathMapCache:
 
     With ``directory``, a map saved there (``ark pathmap --save`` or learnt by probing)
     wins over the fabric's hash model; :meth:`clear` makes the next lookup read the
-    files again (after a refresh rewrote them).
+    files again (after a refresh rewrote them). With ``capacity``, only that many maps
+    stay, the least recently used going first (a simulation of a thousand hosts touches
+    far more pairs than it can keep; a map is a function of the fabric, so computing it
+    again gives the same map).
     """
 
     def __init__(
-        self, fabric: Fabric, port_range: tuple[int, int] = ROCE_PORT_RANGE, directory: str | Path | None = None
+        self, fabric: Fabric, port_range: tuple[int, int] = ROCE_PORT_RANGE, directory: str | Path | None = None,
+        capacity: int | None = None,
     ) -> None:
+        if capacity is not None and capacity < 1:
+            raise PathMapError(f"capacity: must be >= 1 or None; got {capacity}")
         self.fabric, self.port_range = fabric, port_range
         self.directory = None if directory is None else Path(directory)
+        self.capacity = capacity
         self._maps: dict[tuple[int, int, int], PathMap] = {}
 
     def file_for(self, src: int, dst: int, dport: int) -> Path | None:
@@ -307,9 +321,14 @@ class PathMapCache:
 
     def __call__(self, src: int, dst: int, dport: int) -> PathMap:
         key = (src, dst, dport)
-        m = self._maps.get(key)
+        maps = self._maps
+        m = maps.get(key)
         if m is None:
-            m = self._maps[key] = self._load(src, dst, dport)
+            m = maps[key] = self._load(src, dst, dport)
+            if self.capacity is not None and len(maps) > self.capacity:
+                del maps[next(iter(maps))]  # the least recently used
+        elif self.capacity is not None:
+            maps[key] = maps.pop(key)
         return m
 
     def _load(self, src: int, dst: int, dport: int) -> PathMap:
@@ -346,16 +365,23 @@ class PortBuckets:
 
     def __init__(self, pathmap: PathMap) -> None:
         self.map = pathmap
-        self._lists: list[list[int]] = [b.tolist() for b in pathmap.buckets]  # list indexing beats numpy's
+        # A path's ports as a list (list indexing beats numpy's), made when first needed.
+        self._lists: list[list[int] | None] = [None] * pathmap.paths
         self._cursor = [0] * pathmap.paths
         self.in_use: set[int] = set()
         # Bit k set: some source port reaches path k.
-        self.usable_mask = sum(1 << k for k, b in enumerate(self._lists) if b)
+        self.usable_mask = sum(1 << k for k, b in enumerate(pathmap.buckets) if len(b))
+
+    def _list(self, path: int) -> list[int]:
+        lst = self._lists[path]
+        if lst is None:
+            lst = self._lists[path] = self.map.buckets[path].tolist()
+        return lst
 
     def take(self, path: int) -> int:
         port = self.try_take(path)
         if port is None:
-            n = len(self._lists[path])
+            n = len(self.map.buckets[path])
             if n == 0:
                 raise PathMapError(f"path {path}: no source port in range maps to it")
             raise PathMapError(f"path {path}: all {n} source ports are in use")
@@ -363,7 +389,7 @@ class PortBuckets:
 
     def try_take(self, path: int) -> int | None:
         """A free port of ``path`` (marked in use), or None when there is none."""
-        bucket = self._lists[path]
+        bucket = self._list(path)
         n = len(bucket)
         c = self._cursor[path]
         for i in range(n):

@@ -162,6 +162,7 @@ class ArkCore:
         expiry_grace_s: float = 0.25,
         seq_base: int = 0,
         table: ReservationTable | None = None,
+        max_idle_peers: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -169,6 +170,8 @@ class ArkCore:
             raise CoreError(f"host: must be 0..{routes.n_hosts - 1}; got {host}")
         if not 0 <= seq_base < 2**62:
             raise CoreError(f"seq_base: must be 0..2**62-1; got {seq_base}")
+        if max_idle_peers is not None and max_idle_peers < 0:
+            raise CoreError(f"max_idle_peers: must be >= 0 or None; got {max_idle_peers}")
         if table is not None and (table.policy != policy or lease is not None):
             raise CoreError("table: a shared table needs the same policy and no leases")
         self.host = host
@@ -189,6 +192,10 @@ class ArkCore:
         self._lease = lease
         self._own: dict[FlowId, _Own] = {}
         self._buckets: dict[tuple[int, int], PortBuckets] = {}
+        # Peers with no port in use, oldest first: beyond max_idle_peers their buckets go
+        # (the map is kept by whoever supplies maps; only the round-robin cursors are lost).
+        self._max_idle = max_idle_peers
+        self._idle: dict[tuple[int, int], None] = {}
         self._rates: dict[tuple[int, int], float] = {}
         # Shared table only: our messages it has not received yet, and our view of the
         # reservations among them.
@@ -304,6 +311,8 @@ class ArkCore:
         buckets = self._bucket(own.dst, own.dport)
         for port in (own.port, *own.stale):
             buckets.give(port)
+        if self._max_idle is not None and not buckets.in_use:
+            self._forget_idle((own.dst, own.dport))
         entry = self._entry(flow)
         if entry is None:
             return Released((), ())
@@ -524,10 +533,22 @@ class ArkCore:
         return {f: (o.dst, o.path, o.port, o.reserved) for f, o in self._own.items()}
 
     def _bucket(self, dst: int, dport: int) -> PortBuckets:
-        b = self._buckets.get((dst, dport))
+        key = (dst, dport)
+        b = self._buckets.get(key)
         if b is None:
-            b = self._buckets[(dst, dport)] = PortBuckets(self._pathmaps(self.host, dst, dport))
+            b = self._buckets[key] = PortBuckets(self._pathmaps(self.host, dst, dport))
+        elif self._idle:
+            self._idle.pop(key, None)
         return b
+
+    def _forget_idle(self, key: tuple[int, int]) -> None:
+        idle = self._idle
+        idle.pop(key, None)
+        idle[key] = None
+        while len(idle) > (self._max_idle or 0):
+            old = next(iter(idle))
+            del idle[old]
+            del self._buckets[old]
 
     def _random_port(self, buckets: PortBuckets) -> int:
         if buckets.map.sampled:  # only probed ports have a known path

@@ -59,6 +59,7 @@ __all__ = ["SCHEMES", "FlowResult", "FlowSpec", "FluidSim", "SimError", "SimResu
 SCHEMES = ("ecmp", "ark", "ark-balance", "spray")
 
 _START, _DELIVER, _TIMER = 0, 1, 2
+MAP_CACHE = 1024  # path maps kept per simulation process (about 160 kB each)
 
 
 def _arrival_order(msg: Message) -> tuple[float, int, int, int]:
@@ -142,7 +143,7 @@ class FluidSim:
         self.dport, self.port_range = dport, port_range
         self.rng = np.random.default_rng(seed)
         self.record_timeline = record_timeline
-        self.pathmaps = pathmaps or PathMapCache(fabric, port_range)
+        self.pathmaps = pathmaps or PathMapCache(fabric, port_range, capacity=MAP_CACHE)
         self.cores: list[ArkCore] = []
         # Every host receives every message after the same delay: one table for all (see
         # ark.core.protocol, "Sharing one table"), unless jitter makes the replicas differ.
@@ -155,8 +156,10 @@ class FluidSim:
             if self.shared_table:
                 self.table = ReservationTable(fabric, policy=scheme, retention_s=retention_s)
             self.cores = [
+                # A host keeps source-port buckets only for peers it has flows to: the
+                # maps come from the (bounded) cache, so memory does not grow with pairs.
                 ArkCore(h, fabric, self.pathmaps, policy=scheme, seed=int(child[h]), retention_s=retention_s,
-                        table=self.table)
+                        table=self.table, max_idle_peers=0)
                 for h in range(fabric.n_hosts)
             ]
         self._handlers: dict[int, Callable[[Any], None]] = {

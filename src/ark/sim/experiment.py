@@ -22,7 +22,7 @@ from ark.core.flows import FlowSpec
 from ark.core.pathmap import PathMapCache
 from ark.core.topology import Fabric
 from ark.sim.config import ExperimentConfig
-from ark.sim.engine import FluidSim
+from ark.sim.engine import MAP_CACHE, FluidSim
 from ark.sim.serving import Placed
 from ark.sim.workload import Request, ZipfWorkload, load_trace
 
@@ -55,7 +55,7 @@ def _pathmaps(fabric: Fabric, port_range: tuple[int, int]) -> PathMapCache:
     key = (fabric, port_range)
     c = _PATHMAPS.get(key)
     if c is None:
-        c = _PATHMAPS[key] = PathMapCache(fabric, port_range)
+        c = _PATHMAPS[key] = PathMapCache(fabric, port_range, capacity=MAP_CACHE)
     return c
 
 
