@@ -38,7 +38,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
 
 
 def test_process_pool_gives_the_same_bytes_and_a_second_start_runs_nothing(tmp_path: Path, reference) -> None:
-    rep = sweep(CONFIGS, tmp_path, jobs=2)
+    sweep(CONFIGS, tmp_path, jobs=2)
     assert _bytes(tmp_path) == reference and len(reference) == 4
     again = sweep(CONFIGS, tmp_path, jobs=2)
     assert (again.ran, again.reused) == (0, 16) and _bytes(tmp_path) == reference

@@ -37,10 +37,10 @@ def sweep(config_paths: tuple[str, ...], out_dir: str, jobs: int | None, ray_add
             prog.update(bar, advance=1, description=f"{t[0]} {sp.scheme} qps={sp.qps:g} seed={sp.seed}")
 
         rep = run_grid(configs, out_dir, jobs=jobs or jobs_default(), ray_address=ray_address, progress=tick)
-    summary = {"runs": rep.runs, "ran": rep.ran, "reused": rep.reused, "executor": rep.executor,
-               "files": [str(f) for f in rep.files]}
+    files = [str(f) for f in rep.files]
+    summary = {"runs": rep.runs, "ran": rep.ran, "reused": rep.reused, "executor": rep.executor, "files": files}
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
     out.print(f"{rep.runs} runs ({rep.ran} run now on the {rep.executor}, {rep.reused} found finished); "
-              f"wrote: " + ", ".join(summary["files"]))
+              "wrote: " + ", ".join(files))
