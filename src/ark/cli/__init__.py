@@ -13,7 +13,7 @@ import click
 
 from ark.agent.client import ArkClientError
 from ark.agent.probe import ProbeError
-from ark.cli import agent, bench, experiment, pathmap, sweep, testbed
+from ark.cli import agent, bench, experiment, pathmap, polarisation, sweep, testbed
 from ark.cli.common import err
 from ark.core.hashing import HashError
 from ark.core.pathmap import PathMapError
@@ -40,6 +40,7 @@ def cli() -> None:
 for command in (
     experiment.reproduce, experiment.simulate, pathmap.pathmap, bench.bench, agent.agent, agent.keygen,
     agent.status, agent.ports, agent.cluster_cmd, agent.probe_cmd, testbed.testbed, sweep.sweep,
+    polarisation.polarisation,
 ):
     cli.add_command(command)
 

@@ -28,7 +28,7 @@ plane, ``P`` pods):
 Switch node ids follow hosts, then leaves, then aggregation switches (pod-major), then
 cores (plane-major); with ``seed`` unset each switch hashes with its node id as seed, so
 every switch has its own seed. One ``seed`` for all of them polarises the hashes when
-every tier also shares the hash model and selection (see :mod:`ark.core.polarisation`).
+every tier also shares the hash model and selection (see :mod:`ark.sim.polarisation`).
 """
 
 from __future__ import annotations
