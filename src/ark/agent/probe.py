@@ -87,6 +87,16 @@ class HopRouters:
         return {"hops": [{"ttl": t, "routers": r} for t, r in zip(self.ttls, self.tables, strict=True)],
                 "members": list(self.members)}
 
+    def for_paths(self, paths: int) -> HopRouters:
+        """The hops that choose between ``paths`` paths: a peer in the same pod is reached
+        after the first hop's choice alone (a deeper probe would die past the fabric)."""
+        n = 1
+        for h, m in enumerate(self.members):
+            n *= m
+            if n == paths:
+                return HopRouters(self.ttls[:h + 1], self.tables[:h + 1], self.members[:h + 1])
+        raise ProbeError(f"paths: {paths} is not a product of the first hops' members {list(self.members)}")
+
 
 Routers = Mapping[str, int] | HopRouters  # one hop (router address -> path, TTL 2), or several
 
@@ -268,6 +278,8 @@ def learn(
     exclude: Sequence[int] = (),
 ) -> tuple[PathMap, dict[str, float | int]]:
     """Probe until every path has ``min_per_path`` ports (or ``max_rounds`` samples), build the map."""
+    if isinstance(routers, HopRouters):
+        routers = routers.for_paths(paths)
     results: list[ProbeResult] = []
     tried: set[int] = set(exclude)
     pm: PathMap | None = None
@@ -400,10 +412,11 @@ def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0,
             continue
         pm = PathMap.load(f)
         ports = [p for b in pm.buckets for p in rng.sample(b.tolist(), min(per_path, len(b)))]
+        hops = routers.for_paths(pm.paths) if isinstance(routers, HopRouters) else routers
         results = [probe_ports(fab.hosts[h.index].ip, s.dport, ports, proto=s.probe_proto, src_ip=fab.hosts[me].ip,
                                retries=0, ttl=ttl)
-                   for ttl in (routers.ttls if isinstance(routers, HopRouters) else (2,))]
+                   for ttl in (hops.ttls if isinstance(hops, HopRouters) else (2,))]
         sent += sum(r.sent for r in results)
-        if any(k != pm.path_of(port) for port, k in _paths_of(results, routers).items()):
+        if any(k != pm.path_of(port) for port, k in _paths_of(results, hops).items()):
             changed.append(h.name)
     return changed, sent
