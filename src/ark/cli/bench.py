@@ -84,11 +84,11 @@ def bench_scale(schemes: tuple[str, ...], requests: int, qps: float | None, as_j
         return
     t = Table(title=f"{res[0]['gpus']} GPUs x {requests} requests at QPS {res[0]['qps']:g} "
                     f"(offered load {res[0]['offered_load']:.2f}), one process per scheme")
-    for c in ("scheme", "wall s", "events", "events/s", "peak RSS MB", "mean FCT s", "mismatches",
+    for c in ("scheme", "wall s", "CPU s", "events", "events/s", "peak RSS MB", "mean FCT s", "mismatches",
               "baseline s"):
         t.add_column(c, justify="right")
     for r in res:
-        t.add_row(r["scheme"], f"{r['wall_s']:.1f}", str(r["events"]), f"{r['events_per_s']:.0f}",
+        t.add_row(r["scheme"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", str(r["events"]), f"{r['events_per_s']:.0f}",
                   f"{r['peak_rss_mb']:.0f}", f"{r['fct_mean_s']:.3f}", str(r["path_mismatches"]),
                   f"{r['baseline_s']:.2f}")
     out.print(t)

@@ -123,11 +123,12 @@ def _scale_run(args: tuple[ExperimentConfig, str]) -> dict[str, Any]:
     from ark.sim.experiment import RunSpec, run_one
 
     cfg, scheme = args
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     rec = run_one(cfg, RunSpec(scheme, cfg.workload.qps_list[0], cfg.seeds[0])).record
     wall = time.perf_counter() - t
     return {
         "wall_s": wall,
+        "cpu_s": time.process_time() - cpu,  # this process's CPU: the wall time it would take alone
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "events": rec["events"],
         "events_per_s": rec["events"] / wall if wall > 0 else 0.0,
