@@ -33,7 +33,6 @@ every tier also shares the hash model and selection (see :mod:`ark.sim.polarisat
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 
 from ark.core.topology import (
@@ -43,7 +42,7 @@ from ark.core.topology import (
     Switch,
     TopologyError,
     check_hashing,
-    hosts_on_leaves,
+    place_hosts,
 )
 
 CLOS_PRESETS: dict[str, dict[str, object]] = {
@@ -215,17 +214,7 @@ def clos3(
     check_hashing(a_hash, a_seed, a_sel, transport, prefix="fabric.agg_")
     n_leaves = pods * leaves_per_pod
     prefill, decode = _default_roles(pods, leaves_per_pod, prefill_leaves, decode_leaves)
-    for name, group in (("prefill_leaves", prefill), ("decode_leaves", decode)):
-        for leaf in group:
-            if not 0 <= leaf < n_leaves:
-                raise TopologyError(f"fabric.{name}: leaf {leaf} outside 0..{n_leaves - 1}")
-    try:
-        net = ipaddress.IPv4Network(subnet)
-    except ValueError as e:
-        raise TopologyError(f"fabric.subnet: not an IPv4 network: {subnet!r}") from e
-    if net.num_addresses < n_leaves * 256:
-        raise TopologyError(f"fabric.subnet: {subnet} too small for {n_leaves} leaves")
-    hosts = hosts_on_leaves(net, n_leaves, gpus_per_leaf, nic_gbps * 1e9, prefill, decode)
+    hosts = place_hosts(subnet, n_leaves, gpus_per_leaf, nic_gbps, prefill, decode)
     leaf_bps = gpus_per_leaf * nic_gbps * 1e9 / (aggs_per_pod * oversubscription[0])
     core_bps = leaves_per_pod * leaf_bps / (cores_per_plane * oversubscription[1])
     nid = len(hosts)

@@ -252,17 +252,7 @@ def spine_leaf(
         prefill_leaves = tuple(range(max(1, leaves // 2)))
     if decode_leaves is None:
         decode_leaves = tuple(range(leaves // 2, leaves)) if leaves > 1 else (0,)
-    for name, group in (("prefill_leaves", prefill_leaves), ("decode_leaves", decode_leaves)):
-        for leaf in group:
-            if not 0 <= leaf < leaves:
-                raise TopologyError(f"fabric.{name}: leaf {leaf} outside 0..{leaves - 1}")
-    try:
-        net = ipaddress.IPv4Network(subnet)
-    except ValueError as e:
-        raise TopologyError(f"fabric.subnet: not an IPv4 network: {subnet!r}") from e
-    if net.num_addresses < leaves * 256:
-        raise TopologyError(f"fabric.subnet: {subnet} too small for {leaves} leaves")
-    hosts = hosts_on_leaves(net, leaves, gpus_per_leaf, nic_gbps * 1e9, prefill_leaves, decode_leaves)
+    hosts = place_hosts(subnet, leaves, gpus_per_leaf, nic_gbps, prefill_leaves, decode_leaves)
     nid = len(hosts)
     leaf_sw = tuple(
         Switch("leaf", a, f"leaf{a}", nid + a, hash, nid + a if seed is None else seed, selection)
@@ -302,6 +292,24 @@ def check_hashing(hash: str, seed: int | None, selection: str, transport: str, p
         raise TopologyError(f"fabric.transport: must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     if seed is not None and not 0 <= seed < 2**32:
         raise TopologyError(f"{prefix}seed: must be 0..4294967295, got {seed}")
+
+
+def place_hosts(
+    subnet: str, leaves: int, per_leaf: int, nic_gbps: float,
+    prefill_leaves: tuple[int, ...], decode_leaves: tuple[int, ...],
+) -> tuple[Host, ...]:
+    """Check the role groups and the subnet, then put ``per_leaf`` hosts on each leaf."""
+    for name, group in (("prefill_leaves", prefill_leaves), ("decode_leaves", decode_leaves)):
+        for leaf in group:
+            if not 0 <= leaf < leaves:
+                raise TopologyError(f"fabric.{name}: leaf {leaf} outside 0..{leaves - 1}")
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError as e:
+        raise TopologyError(f"fabric.subnet: not an IPv4 network: {subnet!r}") from e
+    if net.num_addresses < leaves * 256:
+        raise TopologyError(f"fabric.subnet: {subnet} too small for {leaves} leaves")
+    return hosts_on_leaves(net, leaves, per_leaf, nic_gbps * 1e9, prefill_leaves, decode_leaves)
 
 
 def hosts_on_leaves(
