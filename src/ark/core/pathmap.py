@@ -378,6 +378,17 @@ class PortBuckets:
             lst = self._lists[path] = self.map.buckets[path].tolist()
         return lst
 
+    @property
+    def cursors(self) -> tuple[int, ...]:
+        """Where each path's round-robin walk stands (all a bucket with no port in use holds)."""
+        return tuple(self._cursor)
+
+    @cursors.setter
+    def cursors(self, value: tuple[int, ...]) -> None:
+        if len(value) != self.map.paths:
+            raise PathMapError(f"cursors: need {self.map.paths}, got {len(value)}")
+        self._cursor = list(value)
+
     def take(self, path: int) -> int:
         port = self.try_take(path)
         if port is None:

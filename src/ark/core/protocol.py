@@ -192,10 +192,12 @@ class ArkCore:
         self._lease = lease
         self._own: dict[FlowId, _Own] = {}
         self._buckets: dict[tuple[int, int], PortBuckets] = {}
-        # Peers with no port in use, oldest first: beyond max_idle_peers their buckets go
-        # (the map is kept by whoever supplies maps; only the round-robin cursors are lost).
+        # Peers with no port in use, oldest first: beyond max_idle_peers their buckets go,
+        # all but their round-robin cursors (the map comes back from whoever supplies maps),
+        # so dropping a bucket changes no decision.
         self._max_idle = max_idle_peers
         self._idle: dict[tuple[int, int], None] = {}
+        self._cursors: dict[tuple[int, int], tuple[int, ...]] = {}
         self._rates: dict[tuple[int, int], float] = {}
         # Shared table only: our messages it has not received yet, and our view of the
         # reservations among them.
@@ -537,6 +539,9 @@ class ArkCore:
         b = self._buckets.get(key)
         if b is None:
             b = self._buckets[key] = PortBuckets(self._pathmaps(self.host, dst, dport))
+            cursors = self._cursors.pop(key, None) if self._cursors else None
+            if cursors is not None:
+                b.cursors = cursors
         elif self._idle:
             self._idle.pop(key, None)
         return b
@@ -548,7 +553,7 @@ class ArkCore:
         while len(idle) > (self._max_idle or 0):
             old = next(iter(idle))
             del idle[old]
-            del self._buckets[old]
+            self._cursors[old] = self._buckets.pop(old).cursors
 
     def _random_port(self, buckets: PortBuckets) -> int:
         if buckets.map.sampled:  # only probed ports have a known path
