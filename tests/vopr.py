@@ -23,8 +23,9 @@ import random
 import sys
 from dataclasses import dataclass, field
 
+from ark.core.lease import LeasePolicy
 from ark.core.messages import FlowId
-from ark.core.node import K_HELLO, LeasePolicy, Node, NotReady, Output, Publish, decode_envelope
+from ark.core.node import K_HELLO, Node, NotReady, Output, Publish, decode_envelope
 from ark.core.pathmap import PathMapCache
 from ark.core.topology import spine_leaf
 

@@ -140,7 +140,7 @@ def test_unknown_key_can_neither_subscribe_nor_inject(trio, tmp_path) -> None:
             m = Reserve((xi, 1000 + k), time.time(), xi, target.index, 4791, 0, 49152, 10**9, 1e11, False, time.time() + 5)
             # The refused handshake leaves no connection: sends fail or go nowhere.
             with contextlib.suppress(zmq.Again):
-                inj.send(encode_envelope(K_DATA, xi, 1, k + 1, encode(m)), zmq.NOBLOCK)
+                inj.send(encode_envelope(K_DATA, xi, 1, k + 1, [encode(m), b""]), zmq.NOBLOCK)
             time.sleep(0.002)
         time.sleep(0.3)
         assert tables(procs, running) == before
@@ -179,12 +179,12 @@ def test_known_peer_cannot_reserve_in_another_hosts_name(trio, tmp_path) -> None
         for k in range(50):
             forged = Reserve((victim, 10**6 + k), now, victim, dst, 4791, 0, 49152, 10**9, 1e11, False, now + 5)
             for s in socks:
-                s.send(encode_envelope(K_HELLO, xi, 7, k, [b"\0" * 8, now - 2.5, now - 1.0]))
+                s.send(encode_envelope(K_HELLO, xi, 7, k, [b"\0" * 8, now - 2.5, now - 1.0, now, []]))
                 # The envelope claims to come from the victim: the channel says X.
-                s.send(encode_envelope(K_DATA, victim, 7, k + 1, encode(forged)))
+                s.send(encode_envelope(K_DATA, victim, 7, k + 1, [encode(forged), b""]))
                 # Honest envelope, but X speaks for the victim's flows.
-                s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(forged)))
-                s.send(encode_envelope(K_DATA, xi, 7, k + 1, encode(Release((victim, 1), now))))
+                s.send(encode_envelope(K_DATA, xi, 7, k + 1, [encode(forged), b""]))
+                s.send(encode_envelope(K_DATA, xi, 7, k + 1, [encode(Release((victim, 1), now)), b""]))
             time.sleep(0.005)
         time.sleep(0.3)
         assert tables(procs, running) == before
@@ -205,7 +205,7 @@ def test_fuzzed_messages_are_counted_and_dropped(trio, tmp_path) -> None:
         xi = cl.host(x).index
         dst = cl.host(running[0]).index
         good = encode(Reserve((xi, 1), time.time(), xi, dst, 4791, 0, 49152, 10**9, 1e11, False, time.time() + 5))
-        valid_env = encode_envelope(K_DATA, xi, 9, 1, good)
+        valid_env = encode_envelope(K_DATA, xi, 9, 1, [good, b""])
         before = tables(procs, running)
         for k in range(3000):
             kind = k % 6
@@ -218,11 +218,11 @@ def test_fuzzed_messages_are_counted_and_dropped(trio, tmp_path) -> None:
                 b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
                 data = bytes(b)
             elif kind == 3:
-                data = encode_envelope(K_DATA, xi, 9, 10 + k, b"\x90" * 5000)  # oversized payload
+                data = encode_envelope(K_DATA, xi, 9, 10 + k, [b"\x90" * 5000, b""])  # oversized payload
             elif kind == 4:
-                data = msgpack.packb([99, K_DATA, xi, 9, 10 + k, good])  # wrong version
+                data = msgpack.packb([99, K_DATA, xi, 9, 10 + k, [good, b""]])  # wrong version
             else:
-                data = encode_envelope(K_DATA, xi, 9, 10 + k, good[:-3])  # truncated message
+                data = encode_envelope(K_DATA, xi, 9, 10 + k, [good[:-3], b""])  # truncated message
             for s in socks:
                 s.send(data)
             if k % 200 == 0:

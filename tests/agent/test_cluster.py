@@ -9,16 +9,16 @@ import pytest
 
 from ark.agent import cluster as clmod
 from ark.agent.cluster import ClusterError, ClusterFile, ClusterSettings, HostTable
-from ark.agent.keys import create_keypair, public_key
+from ark.agent.keys import create_keypair, public_keys
 from ark.core.fabric_config import FabricConfig
 
 
 def _file(tmp_path, **settings) -> ClusterFile:
     hosts = []
     for name in ("gpu0", "gpu8"):
-        pub, _ = create_keypair(tmp_path / "keys", name)
+        kp = create_keypair(tmp_path / "keys", name)
         hosts.append(HostTable(name=name, control=f"tcp://127.0.0.1:{7100 + len(hosts)}",
-                               api=f"ipc://{tmp_path}/{name}.sock", public_key=pub,
+                               api=f"ipc://{tmp_path}/{name}.sock", public_key=kp.public_key, sign_key=kp.sign_key,
                                secret_key_file=f"keys/{name}.key_secret"))
     return ClusterFile(cluster=ClusterSettings(**settings), fabric=FabricConfig(preset="paper"), hosts=hosts)
 
@@ -36,9 +36,9 @@ def test_saved_file_loads_back_with_paths_resolved(tmp_path) -> None:
 
 
 def test_keys_are_private_from_the_start(tmp_path) -> None:
-    pub, secret = create_keypair(tmp_path, "h")
-    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600
-    assert public_key(secret) == public_key(tmp_path / "h.key") == pub and len(pub) == 40
+    kp = create_keypair(tmp_path, "h")
+    assert stat.S_IMODE(os.stat(kp.secret_file).st_mode) == 0o600
+    assert public_keys(kp.secret_file) == kp and len(kp.public_key) == 40 and len(kp.sign_key) == 64
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from ark.core.lease import LeasePolicy
 from ark.core.messages import Reserve, encode
 from ark.core.node import (
     K_DATA,
     K_HELLO,
     K_SYNC_REP,
-    LeasePolicy,
     Node,
     NotReady,
     Publish,
@@ -155,15 +155,15 @@ def test_sender_must_match_channel_and_owner() -> None:
     peer = net.nodes[8]
     fake = Reserve((0, 99), 2.0, 0, 9, 4791, 0, 50000, 10, 1e9, False, 3.0)
     # Host 1 publishes a reservation in host 0's name: dropped, counted.
-    env = encode_envelope(K_DATA, 1, 1, 10_000, encode(fake))
+    env = encode_envelope(K_DATA, 1, 1, 10_000, [encode(fake), b""])
     before = peer.core.digest()
     peer.on_publish(1, env, 2.0)
     # An envelope that claims another sender than its channel: dropped.
-    peer.on_publish(1, encode_envelope(K_DATA, 0, 1, 10_001, encode(fake)), 2.0)
+    peer.on_publish(1, encode_envelope(K_DATA, 0, 1, 10_001, [encode(fake), b""]), 2.0)
     assert peer.counters.invalid == 2 and peer.core.digest() == before
     # An unsolicited sync reply is ignored (host 9 was never asked).
     assert peer.peers[9].sync_sent is None
-    rep = encode_envelope(K_SYNC_REP, 9, 1, 5, [[encode(fake._replace(flow=(9, 5), src=9, dst=1))], 2.0, []])
+    rep = encode_envelope(K_SYNC_REP, 9, 1, 5, [[[encode(fake._replace(flow=(9, 5), src=9, dst=1)), b""]], 2.0, [], 0, 1])
     peer.on_request(9, rep, 2.0)
     assert peer.core.digest() == before and peer.counters.dropped == 1
 
@@ -173,12 +173,12 @@ def test_overlong_lease_is_rejected() -> None:
     net.start()
     peer = net.nodes[8]
     bad = Reserve((0, 7), 2.0, 0, 9, 4791, 0, 50000, 10, 1e9, False, 2.0 + 10_000)
-    peer.on_publish(0, encode_envelope(K_DATA, 0, 1, 50, encode(bad)), 2.0)
+    peer.on_publish(0, encode_envelope(K_DATA, 0, 1, 50, [encode(bad), b""]), 2.0)
     assert peer.counters.invalid == 1 and peer.core.table() == {}
 
 
 def test_envelope_validation() -> None:
-    assert decode_envelope(encode_envelope(K_HELLO, 3, 1, 9, [b"12345678", 1.0, 2.0])).seq == 9
+    assert decode_envelope(encode_envelope(K_HELLO, 3, 1, 9, [b"12345678", 1.0, 2.0, 2.0, []])).seq == 9
     for bad in (b"", b"\xc1", encode_envelope(9, 1, 1, 1, None), encode_envelope(K_DATA, 1, 1, 1, "str"),
                 encode_envelope(K_HELLO, 1, 1, 1, None),
                 encode_envelope(K_SYNC_REP, 1, 1, 1, [[], 1.0])):

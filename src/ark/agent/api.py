@@ -2,27 +2,69 @@
 
 A request is a msgpack map ``{"op": NAME, ...}``; the reply is a map with ``ok`` and the
 op's result, or ``ok = False`` and a one-line ``error`` (``not_ready`` tells a resync
-apart). Each op is a method named ``op_<name>`` found through :data:`OPS`.
+apart). Every op's arguments are a typed struct (:data:`REQUESTS`) checked on decoding,
+so a bad request gets a one-line error naming the field; a request that breaks a handler
+anyway is answered with an error and counted, never fatal.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgpack
+import msgspec
 
 from ark.agent.cluster import ClusterError
 from ark.core.messages import ProtocolError
 from ark.core.node import Lease, NotReady
 from ark.core.protocol import CoreError
+from ark.core.schema import ConfigError, Port, convert
 
 if TYPE_CHECKING:
     from ark.agent.daemon import Agent
 
 API_MAX_BYTES = 4096
+MAX_NBYTES = 2**62
 Reply = dict[str, Any]
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+_U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Host = str | _U32  # a cluster host's name or fabric index
+
+
+class _Req(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    op: str
+
+
+class ReserveReq(_Req):
+    dst: Host
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_NBYTES)]
+    dport: Port | None = None
+
+
+class FlowReq(_Req):
+    flow: tuple[_U32, _U63]
+
+
+class RefreshReq(_Req):
+    peers: Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=65536)] | None = None
+
+
+class StatusReq(_Req):
+    samples: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 0
+
+
+class PortsReq(_Req):
+    peer: Host
+    dport: Port | None = None
+
+
+REQUESTS: dict[str, type[_Req]] = {
+    "reserve": ReserveReq, "renew": FlowReq, "release": FlowReq, "lease": FlowReq, "reload": _Req,
+    "refresh": RefreshReq, "status": StatusReq, "table": _Req, "ports": PortsReq, "metrics": _Req,
+}
+OPS = tuple(REQUESTS)
 
 
 def lease_dict(lease: Lease) -> dict[str, Any]:
@@ -36,7 +78,7 @@ class LocalApi:
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
-        self.ops: dict[str, Callable[[dict[str, Any], bytes, float], Reply | None]] = {
+        self.ops: dict[str, Callable[[Any, bytes, float], Reply | None]] = {
             name: getattr(self, f"op_{name}") for name in OPS
         }
 
@@ -44,109 +86,97 @@ class LocalApi:
         """The reply to one request (None: answered later, e.g. ``refresh``)."""
         try:
             req = self._decode(body)
-            return self.ops[req["op"]](req, rid, time.time())
-        except (CoreError, ProtocolError, ValueError, KeyError, TypeError) as e:
+            return self.ops[req.op](req, rid, time.time())
+        except (CoreError, ProtocolError, ValueError) as e:
             return {"ok": False, "error": str(e), "not_ready": isinstance(e, NotReady)}
+        except Exception as e:  # a request must never end the agent
+            self.agent._error("api")
+            return {"ok": False, "error": f"internal error ({type(e).__name__}); counted and logged",
+                    "not_ready": False}
 
-    def _decode(self, body: bytes) -> dict[str, Any]:
+    def _decode(self, body: bytes) -> _Req:
         if len(body) > API_MAX_BYTES:
             raise ValueError(f"request: larger than {API_MAX_BYTES} bytes")
         try:
-            req = msgpack.unpackb(body, raw=False)
+            raw = msgpack.unpackb(body, raw=False, max_str_len=API_MAX_BYTES, max_bin_len=0, max_ext_len=0,
+                                  strict_map_key=True)
         except Exception:
             raise ValueError("request: not valid msgpack") from None
-        if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+        if not isinstance(raw, dict) or not isinstance(raw.get("op"), str):
             raise ValueError("request: expected a map with an 'op'")
-        if req["op"] not in self.ops:
-            raise ValueError(f"op: must be one of {', '.join(OPS)}; got {req['op']!r}")
-        return req
+        op = raw["op"]
+        if op not in REQUESTS:
+            raise ValueError(f"op: must be one of {', '.join(OPS)}; got {op!r:.60}")
+        if op == "refresh" and not isinstance(raw.get("peers", []), list | type(None)):
+            raise ValueError("peers: expected a list of host names")
+        try:
+            return convert(raw, REQUESTS[op])
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
 
     # ------------------------------------------------------------------ arguments
-    def _host(self, v: Any, field: str) -> int:
+    def _host(self, v: str | int, field: str) -> int:
         cluster = self.agent.cluster
         try:
-            if isinstance(v, str):
-                return cluster.host(v).index
-            if isinstance(v, int) and not isinstance(v, bool):
-                return cluster.by_index(v).index
+            return cluster.host(v).index if isinstance(v, str) else cluster.by_index(v).index
         except ClusterError:
-            pass
-        names = ", ".join(h.name for h in cluster.hosts)
-        raise ValueError(f"{field}: expected a cluster host ({names}); got {v!r}")
+            names = ", ".join(h.name for h in cluster.hosts)
+            raise ValueError(f"{field}: expected a cluster host ({names}); got {v!r:.60}") from None
 
-    @staticmethod
-    def _flow(req: dict[str, Any]) -> tuple[int, int]:
-        f = req.get("flow")
-        if not (isinstance(f, list) and len(f) == 2 and all(isinstance(x, int) for x in f)):
-            raise ValueError("flow: expected [host, seq]")
-        return (f[0], f[1])
-
-    def _dport(self, req: dict[str, Any]) -> int:
-        dport = req.get("dport", self.agent.cluster.dport)
-        if not isinstance(dport, int) or isinstance(dport, bool) or not 0 <= dport <= 0xFFFF:
-            raise ValueError("dport: expected 0..65535")
-        return dport
+    def _dport(self, dport: int | None) -> int:
+        return self.agent.cluster.dport if dport is None else dport
 
     # ------------------------------------------------------------------ ops
-    def op_reserve(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
-        nbytes = req.get("nbytes")
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-            raise ValueError("nbytes: expected an integer >= 0")
-        lease, outs = self.agent.node.reserve(self._host(req.get("dst"), "dst"), nbytes, now, self._dport(req))
+    def op_reserve(self, req: ReserveReq, rid: bytes, now: float) -> Reply:
+        lease, outs = self.agent.node.reserve(self._host(req.dst, "dst"), req.nbytes, now, self._dport(req.dport))
         self.agent.emit(outs)
         return {"ok": True, "lease": lease_dict(lease)}
 
-    def op_renew(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
-        lease, outs = self.agent.node.renew(self._flow(req), now)
+    def op_renew(self, req: FlowReq, rid: bytes, now: float) -> Reply:
+        lease, outs = self.agent.node.renew(req.flow, now)
         self.agent.emit(outs)
         return {"ok": True, "lease": lease_dict(lease)}
 
-    def op_release(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
-        self.agent.emit(self.agent.node.release(self._flow(req), now))
+    def op_release(self, req: FlowReq, rid: bytes, now: float) -> Reply:
+        self.agent.emit(self.agent.node.release(req.flow, now))
         return {"ok": True}
 
-    def op_lease(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
-        return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(self._flow(req)))}
+    def op_lease(self, req: FlowReq, rid: bytes, now: float) -> Reply:
+        return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(req.flow))}
 
-    def op_reload(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
+    def op_reload(self, req: _Req, rid: bytes, now: float) -> Reply:
         """New path-map files (re-probed after a fabric change): reload and re-path."""
         return {"ok": True, "repathed": self.agent.reload(now)}
 
-    def op_refresh(self, req: dict[str, Any], rid: bytes, now: float) -> None:
+    def op_refresh(self, req: RefreshReq, rid: bytes, now: float) -> None:
         """Re-probe (the fabric changed), then reload: the reply comes when done."""
-        peers = req.get("peers")
-        if peers is not None and not (isinstance(peers, list) and all(isinstance(p, str) for p in peers)):
-            raise ValueError("peers: expected a list of host names")
-        for p in peers or ():
-            self.agent.cluster.host(p)
-        self.agent.refresher.start(rid, peers)
+        for p in req.peers or ():
+            self._host(p, "peers")
+        self.agent.refresher.start(rid, req.peers)
 
-    def op_status(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
+    def op_status(self, req: StatusReq, rid: bytes, now: float) -> Reply:
         agent = self.agent
         st = agent.node.status(now)
         st["name"] = agent.me.name
-        st["node"]["unsent"] = agent.dropped_out
+        st["node"].update(unsent=agent.dropped_out, errors=agent.errors, rate_limited=agent.rate_limited,
+                          connections_shed=agent.guard.shed if hasattr(agent, "guard") else 0)
         st["peers"] = {agent.peers[int(p)].name: v for p, v in st["peers"].items()}
         samples = list(agent.node.propagation_s)
-        n = req.get("samples", 0)
-        st["propagation_samples"] = samples[-int(n):] if n else []
+        st["propagation_samples"] = samples[-req.samples:] if req.samples else []
         st["propagation_count"] = len(samples)
         st["paths"] = agent.refresher.counters()
         return {"ok": True, "status": st}
 
-    def op_table(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
+    def op_table(self, req: _Req, rid: bytes, now: float) -> Reply:
         core = self.agent.node.core
         return {"ok": True, "flows": [[f[0], f[1], p, sh] for f, (p, sh) in sorted(core.table().items())],
                 "digest": core.digest()}
 
-    def op_ports(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
-        peer = self._host(req.get("peer"), "peer")
-        return {"ok": True, "ports": self.agent.maps(self.agent.me.index, peer, self._dport(req)).static_ports()}
+    def op_ports(self, req: PortsReq, rid: bytes, now: float) -> Reply:
+        peer = self._host(req.peer, "peer")
+        return {"ok": True, "ports": self.agent.maps.peek(self.agent.me.index, peer, self._dport(req.dport)).static_ports()}
 
-    def op_metrics(self, req: dict[str, Any], rid: bytes, now: float) -> Reply:
+    def op_metrics(self, req: _Req, rid: bytes, now: float) -> Reply:
         from prometheus_client import generate_latest
 
         return {"ok": True, "text": generate_latest(self.agent.metrics_registry()).decode()}
-
-
-OPS = ("reserve", "renew", "release", "lease", "reload", "refresh", "status", "table", "ports", "metrics")

@@ -6,16 +6,21 @@
         with ark.lease("gpu8", nbytes) as lease:      # renewed in the background
             qp.set_udp_sport(lease.src_port)           # or the GRH flow label
             transfer(...)
+            lease.check()                              # raises LeaseLost if it was lost
         # released here
 
-``reserve`` / ``renew`` / ``release`` are also available directly.
+Errors say what went wrong: :class:`AgentUnavailable` (no agent at the endpoint),
+:class:`AgentNotReady` (it is resynchronising), :class:`AgentTimeout` (it did not answer
+in time), :class:`RequestRefused` (it answered no), :class:`LeaseLost` (a held lease could
+not be renewed). All are :class:`ArkClientError`.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,8 +34,24 @@ class ArkClientError(RuntimeError):
     """The agent refused a request or did not answer."""
 
 
+class AgentUnavailable(ArkClientError):
+    """No agent listens at the endpoint (its socket is missing)."""
+
+
+class AgentTimeout(ArkClientError):
+    """The agent did not answer in time (overloaded, or hung)."""
+
+
 class AgentNotReady(ArkClientError):
     """The agent is still resynchronising with its peers."""
+
+
+class RequestRefused(ArkClientError):
+    """The agent answered that the request is invalid or impossible."""
+
+
+class LeaseLost(ArkClientError):
+    """A held lease ended while its holder still used it (agent gone, or the flow expired)."""
 
 
 def _lease(d: dict[str, Any]) -> Lease:
@@ -38,6 +59,27 @@ def _lease(d: dict[str, Any]) -> Lease:
         (int(d["flow_id"][0]), int(d["flow_id"][1])), int(d["dst"]), int(d["path"]), int(d["src_port"]),
         None if d["flow_label"] is None else int(d["flow_label"]), float(d["expires"]), bool(d["reserved"]),
     )
+
+
+class HeldLease:
+    """A lease inside :meth:`ArkClient.lease`: its current fields, and whether it was lost.
+
+    The fields follow renewals (``expires``) and re-paths the agent reports on renewal.
+    ``lost`` is set, ``error`` filled and ``on_lost`` called (from the renewing thread)
+    when a renewal fails for good; :meth:`check` raises :class:`LeaseLost` from then on.
+    """
+
+    def __init__(self, lease: Lease) -> None:
+        self.current = lease
+        self.lost = threading.Event()
+        self.error: BaseException | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.current, name)  # flow_id, dst, path, src_port, flow_label, expires, reserved
+
+    def check(self) -> None:
+        if self.lost.is_set():
+            raise LeaseLost(f"lease {self.current.flow_id}: {self.error}") from self.error
 
 
 class ArkClient:
@@ -60,6 +102,8 @@ class ArkClient:
         return self._sock
 
     def call(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self.endpoint.startswith("ipc://") and not os.path.exists(self.endpoint[len("ipc://"):]):
+            raise AgentUnavailable(f"no agent at {self.endpoint} (its socket does not exist)")
         with self._lock:
             s = self._socket()
             try:
@@ -69,10 +113,12 @@ class ArkClient:
                 # A REQ socket that missed its reply is stuck: start over (lazy pirate).
                 s.close(0)
                 self._sock = None
-                raise ArkClientError(f"agent at {self.endpoint}: no answer within {self.timeout_ms} ms") from None
+                raise AgentTimeout(f"agent at {self.endpoint}: no answer within {self.timeout_ms} ms") from None
+        if not isinstance(rep, dict):
+            raise ArkClientError(f"agent at {self.endpoint}: malformed answer")
         if not rep.get("ok"):
-            cls = AgentNotReady if rep.get("not_ready") else ArkClientError
-            raise cls(rep.get("error", "request refused"))
+            cls = AgentNotReady if rep.get("not_ready") else RequestRefused
+            raise cls(str(rep.get("error", "request refused")))
         return dict(rep)
 
     def reserve(self, dst: str | int, nbytes: int, dport: int = 4791, wait_ready_s: float = 10.0) -> Lease:
@@ -125,34 +171,69 @@ class ArkClient:
         return str(self.call({"op": "metrics"})["text"])
 
     @contextmanager
-    def lease(self, dst: str | int, nbytes: int, dport: int = 4791, renew: bool = True) -> Iterator[Lease]:
-        """Reserve, renew in the background while the body runs, release at exit."""
-        lease = self.reserve(dst, nbytes, dport)
+    def lease(
+        self, dst: str | int, nbytes: int, dport: int = 4791, renew: bool = True,
+        on_lost: Callable[[HeldLease], None] | None = None,
+    ) -> Iterator[HeldLease]:
+        """Reserve, renew in the background while the body runs, release at exit.
+
+        A lease that cannot be renewed is reported while the body runs (``held.lost``,
+        ``on_lost``, ``held.check()``). At exit the body's own exception always wins: a
+        failure to release is then only attached to it as a note.
+        """
+        held = HeldLease(self.reserve(dst, nbytes, dport))
         stop = threading.Event()
         renewer = None
         if renew:
-            renewer = threading.Thread(target=self._renew_loop, args=(lease, stop), daemon=True)
+            renewer = threading.Thread(target=self._renew_loop, args=(held, stop, on_lost), daemon=True)
             renewer.start()
         try:
-            yield lease
-        finally:
+            yield held
+        except BaseException as body_error:
             stop.set()
             if renewer is not None:
                 renewer.join()
-            self.release(lease.flow_id)
-
-    def _renew_loop(self, lease: Lease, stop: threading.Event) -> None:
-        # A separate connection: REQ sockets are not shared between threads.
-        mine = ArkClient(self.endpoint, self.timeout_ms / 1000, self._ctx)
-        try:
-            expires = lease.expires
-            while not stop.wait(max(0.05, (expires - time.time()) / 3)):
+            if not held.lost.is_set():
                 try:
-                    expires = mine.renew(lease.flow_id).expires
-                except ArkClientError:
+                    self.release(held.flow_id)
+                except ArkClientError as e:
+                    body_error.add_note(f"ark: releasing lease {held.flow_id} also failed: {e}")
+            raise
+        stop.set()
+        if renewer is not None:
+            renewer.join()
+        if not held.lost.is_set():
+            self.release(held.flow_id)
+
+    def _renew_loop(self, held: HeldLease, stop: threading.Event, on_lost: Callable[[HeldLease], None] | None) -> None:
+        # A separate connection: REQ sockets are not shared between threads. Renew when a
+        # third of the lease has passed; retry quickly on a slow or missing agent, until
+        # the lease would have run out.
+        mine = ArkClient(self.endpoint, max(0.2, self.timeout_ms / 4000), self._ctx)
+        try:
+            wait = max(0.05, (held.expires - time.time()) / 3)
+            while not stop.wait(wait):
+                try:
+                    held.current = mine.renew(held.flow_id)
+                    wait = max(0.05, (held.expires - time.time()) / 3)
+                except (AgentTimeout, AgentUnavailable) as e:
+                    if time.time() < held.expires:
+                        wait = 0.05
+                        continue
+                    self._lost(held, e, on_lost)
+                    return
+                except ArkClientError as e:  # refused: the agent no longer has the flow
+                    self._lost(held, e, on_lost)
                     return
         finally:
             mine.close()
+
+    @staticmethod
+    def _lost(held: HeldLease, error: BaseException, on_lost: Callable[[HeldLease], None] | None) -> None:
+        held.error = error
+        held.lost.set()
+        if on_lost is not None:
+            on_lost(held)
 
     def close(self) -> None:
         with self._lock:  # never close a socket another thread is using

@@ -48,13 +48,14 @@ import msgspec
 import tomli_w
 
 from ark.core.fabric_config import FabricConfig
-from ark.core.node import LeasePolicy
+from ark.core.lease import DEFAULT_MAX_LEASE_S, LeasePolicy
 from ark.core.pathmap import PathMapCache, PathMapError, parse_port_range
 from ark.core.protocol import POLICIES
-from ark.core.schema import ConfigError, NonNegative, Port, Positive, convert, one_of
+from ark.core.schema import ConfigError, NonNegative, Port, convert, one_of
 from ark.core.topology import Fabric
 
 _Z85 = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _ENDPOINT = re.compile(r"^(tcp://[^\s]+:\d+|ipc://\S+|inproc://\S+)$")
 
 
@@ -63,17 +64,25 @@ class ClusterError(ConfigError):
 
 
 class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[cluster]`` table."""
+    """The ``[cluster]`` table: timers, leases, limits, probing."""
 
     policy: str = "ark"
     dport: Port = 4791
     port_range: str = "49152-65535"
-    lease_min_s: Positive = 1.0
+    lease_min_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0
     lease_slack: Annotated[float, msgspec.Meta(ge=1, le=1e6)] = 2.0
-    heartbeat_s: Positive = 0.5
-    peer_timeout_s: Positive = 2.0
-    sync_timeout_s: Positive = 1.0
-    retention_s: Positive = 5.0
+    max_lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] = DEFAULT_MAX_LEASE_S
+    heartbeat_s: Annotated[float, msgspec.Meta(ge=0.01, le=60)] = 0.5
+    peer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 2.0
+    sync_timeout_s: Annotated[float, msgspec.Meta(ge=0.01, le=60)] = 1.0
+    retention_s: Annotated[float, msgspec.Meta(ge=1, le=3600)] = 5.0
+    max_clock_offset_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.1
+    state_dir: str = "/var/lib/ark"  # where each agent keeps its incarnation counter
+    max_flows_per_host: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 4096
+    max_local_flows: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 4096
+    max_dports: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
+    peer_rate: Annotated[float, msgspec.Meta(ge=10, le=1e7)] = 2000.0  # messages/s a peer may send
+    max_connections: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0  # inbound; 0: 4 per host + 64
     pathmap_dir: str | None = None
     routers_file: str | None = None  # JSON: router address -> path index, for probing
     probe_proto: Literal["udp", "tcp"] = "udp"
@@ -86,6 +95,14 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
             parse_port_range(self.port_range)
         except PathMapError as e:
             raise ValueError(str(e)) from None
+        if self.peer_timeout_s < 2 * self.heartbeat_s:
+            raise ValueError(f"peer_timeout_s: must be >= 2 x heartbeat_s ({2 * self.heartbeat_s:g}); "
+                             f"got {self.peer_timeout_s}")
+        if self.max_lease_s <= self.lease_min_s:
+            raise ValueError(f"max_lease_s: must be > lease_min_s ({self.lease_min_s}); got {self.max_lease_s}")
+        if self.max_clock_offset_s > self.lease_min_s / 4:
+            raise ValueError(f"max_clock_offset_s: must be <= lease_min_s / 4 ({self.lease_min_s / 4:g}), so a "
+                             f"lease outlives any tolerated offset; got {self.max_clock_offset_s}")
         if self.routers_file is not None and self.pathmap_dir is None:
             raise ValueError("routers_file: needs pathmap_dir, where probed maps are written")
         if self.probe_check_s > 0 and self.routers_file is None:
@@ -96,7 +113,11 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         return parse_port_range(self.port_range)
 
     def lease(self) -> LeasePolicy:
-        return LeasePolicy(self.lease_min_s, self.lease_slack)
+        return LeasePolicy(self.lease_min_s, self.lease_slack, self.max_lease_s)
+
+    def connections(self, hosts: int) -> int:
+        """Inbound connections an agent accepts at once (peers reconnect; strangers wait)."""
+        return self.max_connections or 4 * hosts + 64
 
 
 class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -106,6 +127,9 @@ class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     control: str  # where this agent listens for its peers (management network)
     api: str  # local API for this host's serving engines
     public_key: str
+    # Ed25519 key its messages are signed with (ark keygen prints it); without it, what
+    # this host publishes is never taken from another host's snapshot.
+    sign_key: str | None = None
     secret_key_file: str | None = None
     metrics_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] | None = None
 
@@ -116,6 +140,8 @@ class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
                 raise ValueError(f"{key}: must be tcp://HOST:PORT or ipc://PATH; got {v!r}")
         if not _Z85.match(self.public_key):
             raise ValueError("public_key: must be a 40-character Z85 CURVE key (ark keygen)")
+        if self.sign_key is not None and not _HEX64.match(self.sign_key):
+            raise ValueError("sign_key: must be 64 hex digits (ark keygen)")
 
 
 class ClusterFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -150,6 +176,7 @@ class HostEntry:
     public_key: str
     secret_key_file: str | None
     metrics_port: int | None
+    sign_key: str | None = None
 
 
 class Cluster(ClusterSettings, frozen=True, kw_only=True):
@@ -201,12 +228,17 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
         if any(x.name == h.name for x in hosts):
             raise ClusterError(f"hosts[{i}].name: {h.name!r} listed twice")
         hosts.append(HostEntry(h.name, names[h.name], h.control, h.api, h.public_key,
-                               _resolve(h.secret_key_file, base), h.metrics_port))
-    keys = [h.public_key for h in hosts]
-    if len(set(keys)) != len(keys):
-        raise ClusterError("hosts.public_key: every host needs its own key")
+                               _resolve(h.secret_key_file, base), h.metrics_port, h.sign_key))
+    for what in ("public_key", "control", "api", "sign_key"):
+        seen: dict[str, int] = {}
+        for i, h in enumerate(f.hosts):
+            v = getattr(h, what)
+            if v is not None and v in seen:
+                raise ClusterError(f"hosts[{i}].{what}: the same as hosts[{seen[v]}]'s; every host needs its own")
+            seen[v] = i
     settings = msgspec.structs.asdict(f.cluster)
-    settings.update(pathmap_dir=_resolve(f.cluster.pathmap_dir, base), routers_file=_resolve(f.cluster.routers_file, base))
+    settings.update(pathmap_dir=_resolve(f.cluster.pathmap_dir, base), routers_file=_resolve(f.cluster.routers_file, base),
+                    state_dir=_resolve(f.cluster.state_dir, base))
     return Cluster(**settings, fabric=fabric, hosts=tuple(hosts))
 
 

@@ -24,12 +24,14 @@ wall clock (hosts are assumed PTP-synchronised, as the protocol's race rule requ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,12 +40,24 @@ import msgpack
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from ark.agent.api import LocalApi, lease_dict
+from ark.agent.api import API_MAX_BYTES, LocalApi, lease_dict
 from ark.agent.cluster import Cluster, HostEntry, read_secret_key
+from ark.agent.incarnation import IncarnationError, next_incarnation
+from ark.agent.keys import Signatures
 from ark.agent.metrics import registry
 from ark.agent.refresh import PathRefresher
-from ark.core.node import Node, Output, Publish
-from ark.core.protocol import CoreError
+from ark.agent.sockets import (
+    HANDSHAKE_IVL_MS,
+    AgentError,
+    ConnectionGuard,
+    bind,
+    check_resolvable,
+    open_api,
+    raise_fd_limit,
+)
+from ark.core.envelope import MAX_ENVELOPE_BYTES
+from ark.core.node import Node, NodeLimits, Output, Publish
+from ark.core.protocol import CoreError, CoreLimits
 
 log = logging.getLogger("ark.agent")
 
@@ -70,6 +84,18 @@ def _ev(event: str, **fields: Any) -> dict[str, Any]:
     return {"msg": event, "extra": {"fields": fields}}
 
 
+def _listed_ips(cluster: Cluster) -> set[str]:
+    import socket
+
+    ips: set[str] = set()
+    for h in cluster.hosts:
+        if h.control.startswith("tcp://"):
+            host = h.control[len("tcp://"):].rpartition(":")[0].strip("[]")
+            with contextlib.suppress(OSError):
+                ips.update(str(a[4][0]) for a in socket.getaddrinfo(host, None))
+    return ips
+
+
 class _Keys:
     """ZAP credentials provider: only the cluster's public keys get in."""
 
@@ -86,27 +112,46 @@ class Agent:
         self.me: HostEntry = cluster.host(host)
         keyfile = secret_key_file or self.me.secret_key_file
         if keyfile is None:
-            raise CoreError("secret key: give --secret-key or secret_key_file in the cluster file")
+            raise AgentError("secret key: give --secret-key or secret_key_file in the cluster file")
         pub, self.secret = read_secret_key(keyfile)
         if pub.decode() != self.me.public_key:
-            raise CoreError(f"secret key: {keyfile} does not match {host}'s public_key in the cluster file")
+            raise AgentError(f"secret key: {keyfile} does not match {host}'s public_key in the cluster file")
         self.public = pub
         self.peers = {h.index: h for h in cluster.hosts if h.index != self.me.index}
+        for i, h in enumerate(cluster.hosts):
+            check_resolvable(h.control, f"hosts[{i}].control")
         self.maps = cluster.pathmaps()
-        self.node = Node(
-            self.me.index, cluster.fabric, self.maps, list(self.peers),
-            incarnation=int(time.time() * 1000) % (1 << 30) or 1,
-            policy=cluster.policy, seed=int.from_bytes(os.urandom(4), "big"), lease=cluster.lease(),
-            heartbeat_s=cluster.heartbeat_s, peer_timeout_s=cluster.peer_timeout_s,
-            sync_timeout_s=cluster.sync_timeout_s, retention_s=cluster.retention_s,
-        )
+        self.signatures = Signatures(self.secret, {h.index: h.sign_key for h in cluster.hosts})
+        try:
+            incarnation = next_incarnation(cluster.state_dir, host)
+        except IncarnationError as e:
+            raise AgentError(str(e)) from None
+        self.node = self._node(incarnation)
         self.api = LocalApi(self)
         self.refresher = PathRefresher(cluster, self.me.name)
         self._stop = False
         self._up: dict[int, bool] = {}
+        self._timers_at = 0.0
+        self._was_ready = False
+        self._skewed = ""
         self.dropped_out = 0
+        self.errors = 0  # messages or requests whose handling raised: counted, never fatal
+        self.rate_limited = 0  # peer messages dropped: over the peer's rate
+        self._buckets: dict[int, list[float]] = {}  # peer -> [tokens, last refill]
         self._key_host = {h.public_key.encode(): h.index for h in cluster.hosts}
         self.registry: Any = None
+
+    def _node(self, incarnation: int) -> Node:
+        c = self.cluster
+        return Node(
+            self.me.index, c.fabric, self.maps, list(self.peers), incarnation=incarnation,
+            policy=c.policy, seed=int.from_bytes(os.urandom(4), "big"), lease=c.lease(),
+            heartbeat_s=c.heartbeat_s, peer_timeout_s=c.peer_timeout_s, sync_timeout_s=c.sync_timeout_s,
+            retention_s=c.retention_s,
+            limits=NodeLimits(max_local_flows=c.max_local_flows, max_clock_offset_s=c.max_clock_offset_s),
+            core_limits=CoreLimits(max_flows_per_host=c.max_flows_per_host, max_dports=c.max_dports),
+            signer=self.signatures.sign, verifier=self.signatures.verify,
+        )
 
     # ------------------------------------------------------------------ sockets
     def _curve(self, sock: zmq.Socket, server_key: str | None) -> None:
@@ -118,49 +163,39 @@ class Agent:
             sock.curve_serverkey = server_key.encode()
 
     def _open(self) -> None:
+        fds = raise_fd_limit()
         ctx = self.ctx = zmq.Context()
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
         self.auth.configure_curve_callback(domain="*", credentials_provider=_Keys(h.public_key for h in self.cluster.hosts))
         self.inbox = ctx.socket(zmq.ROUTER)
         self._curve(self.inbox, None)
-        self.inbox.setsockopt(zmq.RCVHWM, 100_000)
-        self.inbox.setsockopt(zmq.LINGER, 0)
-        self.inbox.bind(self.me.control)
-        self.api_sock = self._open_api(ctx)
+        for opt, val in ((zmq.RCVHWM, 100_000), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES + 1024),
+                         (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)):
+            self.inbox.setsockopt(opt, val)
+        budget = min(self.cluster.connections(len(self.cluster.hosts)), max(16, fds - 256))
+        self.guard = ConnectionGuard(self.inbox, budget, _listed_ips(self.cluster))
+        bind(self.inbox, self.me.control, "control")
+        self.api_sock = open_api(ctx, self.me.api, API_MAX_BYTES + 256)
         self.out: dict[int, zmq.Socket] = {}
         for idx, h in self.peers.items():
             d = ctx.socket(zmq.DEALER)
             self._curve(d, h.public_key)
-            d.setsockopt(zmq.SNDHWM, 10_000)
-            d.setsockopt(zmq.LINGER, 0)
+            for opt, val in ((zmq.SNDHWM, 10_000), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES + 1024)):
+                d.setsockopt(opt, val)
             d.connect(h.control)
             self.out[idx] = d
         self.poller = zmq.Poller()
-        self.poller.register(self.inbox, zmq.POLLIN)
-        self.poller.register(self.api_sock, zmq.POLLIN)
+        for sock in (self.inbox, self.api_sock, self.guard.monitor):
+            self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.refresher.wake_r, zmq.POLLIN)
         if self.me.metrics_port is not None:
             from prometheus_client import start_http_server
 
             start_http_server(self.me.metrics_port, addr="127.0.0.1", registry=self.metrics_registry())
 
-    def _open_api(self, ctx: zmq.Context) -> zmq.Socket:
-        if self.me.api.startswith("ipc://"):
-            path = Path(self.me.api[len("ipc://"):])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists():
-                path.unlink()  # a stale socket from a killed predecessor
-        sock = ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        old = os.umask(0o077)  # the local API is for this host's own users only
-        try:
-            sock.bind(self.me.api)
-        finally:
-            os.umask(old)
-        return sock
-
     def _close(self) -> None:
+        self.guard.close()
         for s in [self.inbox, self.api_sock, *self.out.values()]:
             s.close(0)
         self.auth.stop()
@@ -179,56 +214,111 @@ class Agent:
         signal.signal(signal.SIGINT, self.stop)
         log.info(**_ev("agent_started", host=self.me.name, id=self.me.index, incarnation=self.node.incarnation,
                        peers=len(self.peers), control=self.me.control, api=self.me.api))
-        self.emit(self.node.start(time.time()))
-        was_ready = False
+        now = time.time()
+        self.emit(self.node.start(now))
+        self._timers_at = now
         try:
             while not self._stop:
                 self._wait_and_drain()
                 now = time.time()
-                if now >= self.node.next_deadline(now):
-                    self.emit(self.node.tick(now))
-                self._watch_peers(now)
-                for rid, res in self.refresher.results():
-                    self.finish_refresh(rid, res)
-                if self.cluster.probe_check_s:
-                    self.refresher.maybe_check(now)
-                if self.node.ready and not was_ready:
-                    was_ready = True
-                    log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
+                if now >= self._timers_at:
+                    self._timers(now)
                 self._log_events()
         finally:
             log.info(**_ev("agent_stopped", host=self.me.name))
             self._close()
 
-    def _next_wake(self, now: float) -> float:
-        t = min(self.node.next_deadline(now), self.refresher.next_check, self._peer_deadline())
-        return t
+    def _timers(self, now: float) -> None:
+        """Whatever is due: the node's tick, peer liveness, the periodic path check, readiness."""
+        if now >= self.node.next_deadline(now):
+            self.emit(self.node.tick(now))
+        self._watch_peers(now)
+        if self.cluster.probe_check_s:
+            self.refresher.maybe_check(now)
+        if self.node.skewed != self._skewed:
+            self._skewed = self.node.skewed
+            log.warning(**_ev("clock_skewed" if self._skewed else "clock_trusted", host=self.me.name,
+                              why=self._skewed, offset_s=self.node.clock.estimate()))
+        if self.node.ready and not self._was_ready:
+            self._was_ready = True
+            log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
+        self._timers_at = min(self.node.next_deadline(now), self.refresher.next_check, self._peer_deadline())
 
     def _wait_and_drain(self) -> None:
         # A signal interrupts the poll; 1 s at most keeps a stop request prompt regardless.
-        timeout = min(1.0, max(0.0, self._next_wake(time.time()) - time.time()))
+        timeout = min(1.0, max(0.0, self._timers_at - time.time()))
         events = dict(self.poller.poll(int(timeout * 1000) + 1))
-        for sock in events:
-            if sock is self.inbox:
-                self._drain_peers()
-            elif sock is self.api_sock:
-                self._drain_api()
+        if self.guard.monitor in events:
+            self.guard.drain()
+        if self.api_sock in events:
+            self._drain_api()
+        if self.inbox in events:
+            self._drain_peers()
+        if self.refresher.wake_r in events:
+            for rid, res in self.refresher.results():
+                self.finish_refresh(rid, res)
+        if events:  # what arrived may have brought a deadline forward (a sync sent, a lease)
+            self._timers_at = min(self._timers_at, self.node.next_deadline(time.time()))
 
-    def _drain_peers(self, limit: int = 1024) -> None:
+    def _drain_peers(self, limit: int = 1024, slice_: int = 16) -> None:
+        """Handle waiting peer messages; every ``slice_`` of them, serve the local API first
+        (an engine waiting for a lease must not wait behind a flood)."""
         sock = self.inbox
-        for _ in range(limit):
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            frames = sock.recv_multipart(copy=False)
-            if len(frames) != 2:
-                self.node.counters.invalid += 1
-                continue
-            user = frames[1].get("User-Id")
-            peer = self._key_host.get(user.encode() if isinstance(user, str) else b"")
-            if peer is None or peer == self.me.index:
-                self.node.counters.invalid += 1
-                continue
+        try:
+            for i in range(limit):
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    return
+                self._peer_message(sock.recv_multipart(copy=False))
+                if i % slice_ == slice_ - 1 and int(self.api_sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                    self._settle()
+                    self._drain_api(64)
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        try:
+            self.node.flush()
+        except Exception:  # never fatal: counted and logged
+            self._error("flush")
+
+    def _peer_message(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            self.node.counters.invalid += 1
+            return
+        user = frames[1].get("User-Id")
+        peer = self._key_host.get(user.encode() if isinstance(user, str) else b"")
+        if peer is None or peer == self.me.index:
+            self.node.counters.invalid += 1
+            return
+        if not self._within_rate(peer):
+            self.rate_limited += 1
+            return
+        try:
             self.emit(self.node.on_message(peer, frames[1].bytes, time.time()))
+        except Exception:  # a message that breaks a handler is dropped, never fatal
+            self._error("peer_message", peer=self.peers[peer].name)
+        if not self._up.get(peer):
+            self._timers_at = 0.0  # a peer may have come up: log it now
+
+    def _within_rate(self, peer: int) -> bool:
+        """Token bucket per peer: ``peer_rate`` messages/s, bursts of twice that."""
+        rate = self.cluster.peer_rate
+        now = time.monotonic()
+        b = self._buckets.get(peer)
+        if b is None:
+            b = self._buckets[peer] = [2 * rate, now]
+        b[0] = min(2 * rate, b[0] + (now - b[1]) * rate)
+        b[1] = now
+        if b[0] < 1:
+            return False
+        b[0] -= 1
+        return True
+
+    def _error(self, where: str, **fields: Any) -> None:
+        self.errors += 1
+        if self.errors <= 20 or self.errors % 1000 == 0:  # a flood of them must not flood the log
+            log.error(**_ev("handler_error", host=self.me.name, where=where, count=self.errors,
+                            error=traceback.format_exc(limit=3).strip().splitlines()[-1], **fields))
 
     def _drain_api(self, limit: int = 1024) -> None:
         sock = self.api_sock

@@ -67,11 +67,12 @@ def write_cluster(
     ports = free_ports(total)
     hosts = []
     for i, name in enumerate(names):
-        public, _secret = create_keypair(workdir / "keys", name)
+        kp = create_keypair(workdir / "keys", name)
         hosts.append(HostTable(name=name, control=f"tcp://127.0.0.1:{ports[i]}", api=f"ipc://{workdir}/api/{name}.sock",
-                               public_key=public, secret_key_file=f"keys/{name}.key_secret"))
+                               public_key=kp.public_key, sign_key=kp.sign_key, secret_key_file=f"keys/{name}.key_secret"))
     settings = ClusterSettings(policy=policy, lease_min_s=lease_min_s, heartbeat_s=heartbeat_s,
-                               peer_timeout_s=1.0, sync_timeout_s=1.0)
+                               peer_timeout_s=max(1.0, 2 * heartbeat_s), sync_timeout_s=1.0,
+                               max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state")
     path = ClusterFile(cluster=settings, fabric=FabricConfig(leaves=2, spines=spines, gpus_per_leaf=per_leaf),
                        hosts=hosts).save(workdir / "cluster.toml")
     return path, names
@@ -418,8 +419,39 @@ def _drive(run: LoopbackRun, load: Load) -> None:
     r["client_errors"] = len(load.errors)
 
 
-if __name__ == "__main__":  # pragma: no cover - a manual entry point
-    import json
+def thread_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds per thread name (summed over processes): where an agent's time goes."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for t in Path(f"/proc/{pid}/task").iterdir():
+                st = (t / "stat").read_text()
+                name = "main" if t.name == str(pid) else st[st.index("(") + 1:st.rindex(")")]
+                f = st.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+    return out
 
-    print(json.dumps(run_cluster(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 0)))
-    os._exit(0)
+
+def idle_cpu(agents: int, seconds: float, heartbeat_s: float = 0.25) -> dict[str, Any]:
+    """CPU of ``agents`` idle agents (no flows) over ``seconds``, per thread kind."""
+    with tempfile.TemporaryDirectory(prefix="ark-idle-") as d:
+        wd = Path(d)
+        (wd / "api").mkdir()
+        cfile, names = write_cluster(wd, agents, heartbeat_s=heartbeat_s, spines=max(4, agents))
+        procs = AgentProcs(cfile, names, wd)
+        try:
+            for n in names:
+                procs.start(n)
+            procs.wait_ready(names)
+            time.sleep(1.0)
+            pids = [p.pid for p in procs.procs.values()]
+            before, t0 = thread_cpu_s(pids), time.monotonic()
+            time.sleep(seconds)
+            after, wall = thread_cpu_s(pids), time.monotonic() - t0
+        finally:
+            procs.stop_all()
+    per_thread = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(after)}
+    total = sum(per_thread.values())
+    return {"agents": agents, "seconds": round(wall, 2), "heartbeat_s": heartbeat_s, "cpu_s": round(total, 3),
+            "cpu_s_by_thread": per_thread, "cpu_percent_per_agent": round(100 * total / wall / agents, 3)}

@@ -36,8 +36,9 @@ def keygen(out_dir: str, name: str) -> None:
     """Write a CURVE key pair: NAME.key (public) and NAME.key_secret."""
     from ark.agent.keys import create_keypair
 
-    public, sec_file = create_keypair(out_dir, name)
-    out.print(f"public_key = \"{public}\"  (secret: {sec_file})", highlight=False)
+    kp = create_keypair(out_dir, name)
+    out.print(f"public_key = \"{kp.public_key}\"\nsign_key = \"{kp.sign_key}\"\n# secret: {kp.secret_file}",
+              highlight=False)
 
 
 def _client_for(cluster_path: str, host: str) -> Any:

@@ -94,3 +94,19 @@ def bench_scale(schemes: tuple[str, ...], requests: int, qps: float | None, as_j
     out.print(t)
     out.print("targets: <= 300 s wall on 2 cores and <= 4096 MB peak per scheme; baseline = one paper-fabric "
               "run (ECMP, QPS 25) measured just before, to read the figures against the machine's load")
+
+@bench.command("idle")
+@click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)
+@click.option("--seconds", type=click.FloatRange(min=1), default=60.0, show_default=True)
+@click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_idle(agents: int, seconds: float, heartbeat: float, as_json: bool) -> None:
+    """CPU of idle agents on loopback (no flows): what heartbeats and timers cost."""
+    from ark.agent.loopback import idle_cpu
+
+    res = idle_cpu(agents, seconds, heartbeat)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    out.print(f"{agents} idle agents, {res['seconds']} s: {res['cpu_s']} CPU-s "
+              f"({res['cpu_percent_per_agent']}% of a core per agent); by thread {res['cpu_s_by_thread']}")

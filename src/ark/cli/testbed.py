@@ -1,4 +1,4 @@
-"""``ark probe`` and ``ark testbed ...``: path discovery and the namespace fabric."""
+"""``ark testbed ...``: the namespace fabric (up, down, status, link, probe, run)."""
 
 from __future__ import annotations
 

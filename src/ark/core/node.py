@@ -3,69 +3,71 @@
 :class:`Node` wraps :class:`ark.core.protocol.ArkCore` with everything a real deployment
 needs between hosts, still without sockets or clocks (``now`` is passed in):
 
-* an envelope per published message ``[1, kind, sender, incarnation, seq, payload]``
-  with a per-sender sequence number, so that a receiver sees gaps;
-* HELLO heartbeats carrying the sender's last sequence number (tail gaps, peer liveness)
-  and a digest of its recent message set (anti-entropy: a mismatch triggers a sync);
+* an envelope per published message (:mod:`ark.core.envelope`) with a per-sender
+  sequence number, so that a receiver sees gaps, and the owner's signature, so that a
+  message another host relays can be checked;
+* HELLO heartbeats carrying the sender's last sequence number (tail gaps, peer liveness),
+  a digest of its own recent flows (anti-entropy: a mismatch triggers a sync) and its
+  clock (offsets between hosts, :mod:`ark.core.clock`);
 * SYNC request / reply: a (re)starting node, or one that saw a gap, asks the peer for
-  every message it holds. The table is a function of the message set, so merging sets
-  converges. The replying peer's own flows are always taken; a third host's only while
-  that host is not synced with us or when they belong to an earlier incarnation of it
-  (a live, synced host is authoritative for its current flows), and only in answer to a
-  request we sent;
+  every message it holds, in parts. The table is a function of the message set, so
+  merging sets converges. The replying peer's own flows are always taken; a third host's
+  only while that host is not synced with us or when they belong to an earlier
+  incarnation of it (a live, synced host is authoritative for its current flows), only
+  with that host's valid signature, and only in answer to a request we sent;
 * after a restart the node releases, with real RELEASE messages, every reservation of
   its host that it does not own (its predecessor's), as soon as it learns of them;
-* leases: a reservation lasts ``lease(nbytes, rate)`` and is renewed by the local client
-  (:meth:`Node.renew`); a local flow whose client stops renewing is released, and a dead
-  host's reservations end everywhere when their lease runs out;
+* leases: a reservation lasts ``lease(nbytes, rate)`` (capped, :mod:`ark.core.lease`) and
+  is renewed by the local client; a local flow whose client stops renewing is released,
+  and a dead host's reservations end everywhere when their lease runs out;
 * readiness: after :meth:`Node.start` the node refuses reservations until every peer has
-  answered its sync request or ``sync_timeout_s`` has passed.
+  answered its sync request or ``sync_timeout_s`` has passed;
+* hostile input: every field is checked against the node's clock and limits
+  (:class:`NodeLimits`, :class:`~ark.core.protocol.CoreLimits`); what fails is counted and
+  dropped, and no peer can make the node keep more than the limits allow.
 
-The agent (``ark.agent.daemon``) moves the bytes this class returns; the fault harness in the
-tests drives it over a simulated network with loss, duplication, reordering, partitions,
-crashes and clock skew.
+The agent (``ark.agent.daemon``) moves the bytes this class returns; the fault harness in
+the tests drives it over a simulated network with loss, duplication, reordering,
+partitions, crashes and clock skew.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import msgpack
-
+from ark.core.clock import ClockWatch
+from ark.core.envelope import (
+    K_DATA,
+    K_HELLO,
+    K_SYNC_REP,
+    K_SYNC_REQ,
+    Envelope,
+    SignedMessage,
+    decode_envelope,
+    encode_envelope,
+    sync_parts,
+)
+from ark.core.lease import LeasePolicy
 from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, decode, encode
-from ark.core.protocol import ArkCore, CoreError, PathMaps, Repath, Routes
+from ark.core.protocol import ArkCore, CoreError, CoreLimits, PathMaps, Repath, Routes
 from ark.core.roce import flow_label_for_sport
 
-ENVELOPE_VERSION = 1
-K_DATA, K_HELLO, K_SYNC_REQ, K_SYNC_REP = 1, 2, 3, 4
-MAX_ENVELOPE_BYTES = 4 << 20
-_U32 = 0xFFFFFFFF
-_U63 = 2**63 - 1
+__all__ = [
+    "K_DATA", "K_HELLO", "K_SYNC_REP", "K_SYNC_REQ", "Lease", "LeasePolicy", "Node", "NodeLimits", "NotReady",
+    "Output", "Publish", "Send", "decode_envelope", "encode_envelope",
+]
+
+Signer = Callable[[bytes], bytes]  # message bytes -> this host's signature
+Verifier = Callable[[int, bytes, bytes], bool]  # (owner host, message bytes, signature) -> valid?
+_KIND = {Reserve: 0, Renew: 1, Release: 2}
 
 
 class NotReady(CoreError):
     """The node is still resynchronising with its peers."""
-
-
-@dataclass(frozen=True)
-class LeasePolicy:
-    """lease(nbytes, rate) = min_s + slack x (nbytes x 8 / rate)."""
-
-    min_s: float = 1.0
-    slack: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not self.min_s > 0:
-            raise CoreError(f"lease.min_s: must be > 0; got {self.min_s}")
-        if not self.slack >= 1:
-            raise CoreError(f"lease.slack: must be >= 1; got {self.slack}")
-
-    def __call__(self, nbytes: int, rate_bps: float) -> float:
-        return self.min_s + self.slack * nbytes * 8.0 / rate_bps
 
 
 class Publish(NamedTuple):
@@ -96,6 +98,20 @@ class Lease(NamedTuple):
     reserved: bool
 
 
+@dataclass(frozen=True)
+class NodeLimits:
+    """What one peer or the local clients can make this node keep or do.
+
+    ``max_local_flows``: live local flows; ``max_ahead``: out-of-order sequence numbers
+    kept per peer (beyond: a gap, resolved by a sync); ``max_clock_offset_s``: a clock
+    further than this from the majority's stops reservations (plain ECMP).
+    """
+
+    max_local_flows: int = 4096
+    max_ahead: int = 1024
+    max_clock_offset_s: float = 0.1
+
+
 @dataclass
 class PeerState:
     incarnation: int | None = None
@@ -105,6 +121,9 @@ class PeerState:
     last_heard: float = -math.inf
     synced: bool = False
     sync_sent: float | None = None
+    served_at: float = -math.inf  # last sync reply we sent it
+    reply_seq: int | None = None  # the reply being received in parts: its seq ...
+    reply_next: int = 0  # ... and the part expected next
 
 
 @dataclass
@@ -119,72 +138,19 @@ class _Local:
 class NodeCounters:
     published: int = 0
     received: int = 0
-    invalid: int = 0  # malformed envelopes or messages, or sender mismatch
+    invalid: int = 0  # malformed envelopes or messages, sender mismatch, out of window
+    out_of_window: int = 0  # of those: a timestamp or lease outside what this node accepts
+    forged: int = 0  # relayed messages without their owner's valid signature
     dropped: int = 0  # duplicates and old sequence numbers
     gaps: int = 0
     sync_requests: int = 0
     sync_served: int = 0
+    sync_throttled: int = 0  # sync requests not answered: that peer asked again too soon
     sync_applied: int = 0
     digest_mismatches: int = 0
     predecessor_releases: int = 0  # our host's flows from before a restart, released
     local_expired: int = 0
-
-
-@dataclass
-class Envelope:
-    kind: int
-    sender: int
-    incarnation: int
-    seq: int
-    payload: Any
-
-
-def encode_envelope(kind: int, sender: int, incarnation: int, seq: int, payload: Any) -> bytes:
-    out: bytes = msgpack.packb([ENVELOPE_VERSION, kind, sender, incarnation, seq, payload], use_bin_type=True)
-    return out
-
-
-def decode_envelope(data: bytes) -> Envelope:
-    """Parse and validate an envelope (not its payload's messages)."""
-    if len(data) > MAX_ENVELOPE_BYTES:
-        raise ProtocolError(f"envelope: {len(data)} bytes exceeds {MAX_ENVELOPE_BYTES}")
-    try:
-        body = msgpack.unpackb(data, raw=False, max_map_len=0, max_ext_len=0, strict_map_key=True)
-    except Exception as e:  # garbage of any kind is malformed
-        raise ProtocolError(f"envelope: not valid msgpack ({type(e).__name__})") from None
-    if not isinstance(body, list) or len(body) != 6:
-        raise ProtocolError("envelope: expected an array of 6 fields")
-    v, kind, sender, inc, seq, payload = body
-    if v != ENVELOPE_VERSION or type(v) is not int:
-        raise ProtocolError(f"envelope version: expected {ENVELOPE_VERSION}, got {v!r:.40}")
-    for name, val, hi in (("kind", kind, 4), ("sender", sender, _U32), ("incarnation", inc, _U63), ("seq", seq, _U63)):
-        if type(val) is not int or not 0 <= val <= hi:
-            raise ProtocolError(f"envelope {name}: expected an integer in 0..{hi}, got {val!r:.40}")
-    if kind == 0:
-        raise ProtocolError("envelope kind: expected 1..4, got 0")
-    if kind == K_DATA and not isinstance(payload, bytes):
-        raise ProtocolError("envelope payload: data needs bytes")
-    if kind == K_HELLO and (
-        not isinstance(payload, list) or len(payload) != 3 or not isinstance(payload[0], bytes)
-        or not all(type(v) is float and math.isfinite(v) for v in payload[1:])
-    ):
-        raise ProtocolError("envelope payload: hello needs [digest bytes, since, until]")
-    if kind == K_SYNC_REP and (
-        not isinstance(payload, list)
-        or len(payload) != 3
-        or not isinstance(payload[0], list)
-        or not all(isinstance(x, bytes) for x in payload[0])
-        or type(payload[1]) is not float
-        or not math.isfinite(payload[1])
-        or not isinstance(payload[2], list)
-        or not all(
-            isinstance(x, list) and len(x) == 4 and all(type(v) is int for v in x[:3])
-            and type(x[3]) is bool and 0 <= x[0] <= _U32 and 0 <= x[1] <= _U63 and -1 <= x[2] <= 0xFFFF
-            for x in payload[2]
-        )
-    ):
-        raise ProtocolError("envelope payload: sync reply needs [[bytes...], float, [[owner, seq, path, shared]...]]")
-    return Envelope(kind, sender, inc, seq, payload)
+    fenced_requests: int = 0  # reservations refused (plain ECMP) while the clock is skewed
 
 
 class Node:
@@ -207,33 +173,46 @@ class Node:
         retention_s: float = 5.0,
         expiry_grace_s: float = 0.05,
         latency_samples: int = 50_000,
+        limits: NodeLimits = NodeLimits(),
+        core_limits: CoreLimits | None = None,
+        signer: Signer | None = None,
+        verifier: Verifier | None = None,
     ) -> None:
         if host in peers:
             raise CoreError(f"peers: must not include this host ({host})")
         if not 0 <= incarnation < 2**30:
             raise CoreError(f"incarnation: must be 0..2**30-1; got {incarnation}")
         for name, v in (("heartbeat_s", heartbeat_s), ("peer_timeout_s", peer_timeout_s), ("sync_timeout_s", sync_timeout_s)):
-            if not v > 0:
+            if not (math.isfinite(v) and v > 0):
                 raise CoreError(f"{name}: must be > 0; got {v}")
         self.host = host
         self.incarnation = incarnation
         self.lease = lease or LeasePolicy()
         self.core = ArkCore(
-            host, routes, pathmaps, policy=policy, seed=seed, retention_s=retention_s,
-            lease=self.lease, expiry_grace_s=expiry_grace_s, seq_base=incarnation << 32,
+            host, routes, pathmaps, policy=policy, seed=seed, retention_s=retention_s, lease=self.lease,
+            expiry_grace_s=expiry_grace_s, seq_base=incarnation << 32, limits=core_limits or CoreLimits(),
         )
         self.peers: dict[int, PeerState] = {p: PeerState() for p in peers}
         self.heartbeat_s, self.peer_timeout_s, self.sync_timeout_s = heartbeat_s, peer_timeout_s, sync_timeout_s
+        self.limits = limits
+        # Timestamps further than this from our clock are not believed (a message older
+        # than the retention is stale anyway; one from further ahead has a broken clock).
+        self.window_s = retention_s
         self.counters = NodeCounters()
-        self.max_lease_s = 600.0  # a lease longer than this from a peer is malformed
         self.digest_lag_s = 0.3  # anti-entropy compares ends at least this old
         self.propagation_s: deque[float] = deque(maxlen=latency_samples)
+        self.clock = ClockWatch(limits.max_clock_offset_s, peer_timeout_s)
+        self.skewed = ""  # why this host stopped reserving ("" while its clock is trusted)
         self.ready = False
+        self._sign, self._verify = signer, verifier
+        self._sigs: dict[FlowId, dict[int, tuple[bytes, bytes, float]]] = {}  # what we can relay, signed
+        self._sigs_pruned = -math.inf
         self._started_at: float | None = None
         self._out_seq = 0
         self._next_hello = -math.inf
         self._local: dict[FlowId, _Local] = {}
         self._alias: dict[FlowId, FlowId] = {}  # re-pathed flow -> its new reservation
+        self._syncing: set[int] = set()  # peers a sync request is out to (their retry timers)
         self.events: deque[Repath] = deque(maxlen=10_000)  # local flows moved by races
         self._handlers = {
             K_DATA: self._on_data, K_HELLO: self._on_hello,
@@ -247,31 +226,40 @@ class Node:
         self.ready = not self.peers
         out: list[Output] = []
         for p in self.peers:
-            out.extend(self._request_sync(p, now))
+            out.extend(self._request_sync(p, now, urgent=True))
         out.extend(self._hello(now))
         return out
 
     def tick(self, now: float) -> list[Output]:
-        """Timers: heartbeats, sync retries, readiness, local lease expiry, core expiry."""
+        """Timers: heartbeats, sync retries, readiness, clock verdict, lease expiry, core expiry."""
         out: list[Output] = []
         if now >= self._next_hello:
             out.extend(self._hello(now))
-        for p, st in self.peers.items():
+        for p in list(self._syncing):
+            st = self.peers[p]
             if not st.synced and st.sync_sent is not None and now >= st.sync_sent + self.sync_timeout_s:
                 out.extend(self._request_sync(p, now))
         self._update_ready(now)
+        out.extend(self._judge_clock(now))
         for f in [f for f, lo in self._local.items() if lo.expires <= now]:
             self.counters.local_expired += 1
             out.extend(self._release(f, now))
         self.events.extend(self.core.tick(now))
+        if now >= self._sigs_pruned + self.core.retention_s / 2:
+            self._prune_signatures(now)
         return out
+
+    def flush(self) -> None:
+        """After a batch of :meth:`on_message` calls: apply what they deferred."""
+        self.events.extend(self.core.flush())
 
     def next_deadline(self, now: float) -> float:
         """When :meth:`tick` next has work: a heartbeat, a sync retry, readiness, a local
         lease running out, or the core's expiry and forgetting. A driver sleeps until then
         (or until a message arrives) instead of polling."""
         t = min(self._next_hello, self.core.next_deadline())
-        for st in self.peers.values():
+        for p in self._syncing:
+            st = self.peers[p]
             if not st.synced and st.sync_sent is not None:
                 t = min(t, st.sync_sent + self.sync_timeout_s)
         if not self.ready and self._started_at is not None:
@@ -286,7 +274,11 @@ class Node:
     ) -> tuple[Lease, list[Output]]:
         if not self.ready:
             raise NotReady("node: resynchronising with peers; retry shortly")
-        dec = self.core.request(dst, nbytes, now, dport, prefer_port)
+        if len(self._local) >= self.limits.max_local_flows:
+            raise CoreError(f"flows: {len(self._local)} local flows are live (the limit); release some first")
+        if self.skewed:
+            self.counters.fenced_requests += 1
+        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=not self.skewed)
         self.events.extend(dec.events)
         expires = self._expiry(dec.flow, now, nbytes)
         self._local[dec.flow] = _Local(dst, dport, nbytes, expires)
@@ -298,6 +290,7 @@ class Node:
         if lo is None:
             raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
         msgs = self.core.renew(flow, now)
+        self.events.extend(self.core.flush())
         lo.expires = self._expiry(flow, now, lo.nbytes)
         return self._lease(flow), self._publish(msgs)
 
@@ -355,7 +348,10 @@ class Node:
 
     # ------------------------------------------------------------------ network input
     def on_message(self, peer: int, data: bytes, now: float) -> list[Output]:
-        """Any envelope from ``peer`` on a channel that authenticates the peer."""
+        """Any envelope from ``peer`` on a channel that authenticates the peer.
+
+        Re-evaluations a message forces are deferred: call :meth:`flush` after a batch.
+        """
         return self._dispatch(peer, data, now, (K_DATA, K_HELLO, K_SYNC_REQ, K_SYNC_REP))
 
     def on_publish(self, peer: int, data: bytes, now: float) -> list[Output]:
@@ -390,12 +386,20 @@ class Node:
         # First contact or a restart: its sequence numbers start over.
         st.incarnation, st.last_seq, st.have, st.synced = env.incarnation, 0, 0, False
         st.ahead.clear()
-        return self._request_sync(peer, now)
+        st.reply_seq = None
+        return self._request_sync(peer, now, urgent=True)
 
     def _on_hello(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
+        digest, since, until, sent_at, ahead = env.payload
+        w = self.window_s
+        if not (abs(sent_at - now) <= w and now - 3 * w <= since <= until <= now + w):
+            self.counters.invalid += 1
+            self.counters.out_of_window += 1
+            return []
         out = self._contact(peer, st, env, now)
         if out is None:
             return []
+        self.clock.hello(peer, now, sent_at, ahead, self.host)
         st.last_seq = max(st.last_seq, env.seq)
         if env.seq > st.have and st.synced:
             self.counters.gaps += 1
@@ -403,8 +407,8 @@ class Node:
             out.extend(self._request_sync(peer, now))
         elif (
             st.synced
-            and env.payload[0] != self.core.state_digest(env.payload[1], env.payload[2])
-            and (st.sync_sent is None or now - st.sync_sent >= self.sync_timeout_s)
+            and digest != self.core.state_digest(since, until, owner=peer)
+            and (st.sync_sent is None or now >= st.sync_sent + self.sync_timeout_s)
         ):
             # Same sequence numbers but different message sets (a message lost from
             # a host that has since restarted): anti-entropy, merge with this peer.
@@ -423,47 +427,79 @@ class Node:
         if env.seq == st.have + 1:
             st.have = env.seq
             self._advance(st)
-        else:
+        elif len(st.ahead) < self.limits.max_ahead:
             st.ahead.add(env.seq)
+        else:
+            st.ahead.clear()  # a hole too wide to track message by message: the sync covers it
         if st.have < st.last_seq and st.synced:
             # A hole: something this peer sent never arrived. Only a sync that starts
             # after now can cover it.
             self.counters.gaps += 1
             st.synced = False
             out.extend(self._request_sync(peer, now))
-        self._apply_published(peer, env.payload, now)
+        raw, sig = env.payload
+        self._apply_published(peer, raw, sig, now)
         return out
 
-    def _apply_published(self, peer: int, payload: bytes, now: float) -> None:
+    def _apply_published(self, peer: int, raw: bytes, sig: bytes, now: float) -> None:
         try:
-            msg = decode(payload)
+            msg = decode(raw)
         except ProtocolError:
             self.counters.invalid += 1
             return
-        if not self._sane(msg):
-            self.counters.invalid += 1
+        if not self._timely(msg, now, direct=True):
             return
         before = self.core.counters.invalid
-        self.events.extend(self.core.receive(msg, now, sender=peer))
+        self.events.extend(self.core.receive(msg, now, sender=peer, defer=True))
         if self.core.counters.invalid > before:
             self.counters.invalid += 1
-        elif isinstance(msg, Reserve):
+            return
+        self._keep_signature(msg, raw, sig)
+        if isinstance(msg, Reserve):
             self.propagation_s.append(now - msg.ts)
+
+    def _timely(self, msg: Message, now: float, *, direct: bool) -> bool:
+        """Timestamps near our clock (old ones too, for a snapshot) and leases within the cap."""
+        ok = msg.ts <= now + self.window_s and (not direct or msg.ts >= now - self.window_s)
+        if ok and isinstance(msg, Reserve | Renew):
+            ok = self.lease.accepts(msg.ts, msg.expires)
+        if not ok:
+            self.counters.invalid += 1
+            self.counters.out_of_window += 1
+        return ok
 
     def _on_sync_request(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
         st.last_heard = now
+        if now < st.served_at + self.sync_timeout_s / 2:
+            self.counters.sync_throttled += 1  # asked again too soon: its retry comes anyway
+            return []
+        st.served_at = now
         self.counters.sync_served += 1
-        snap = [encode(m) for m in self.core.snapshot()]
-        frozen = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items()]
-        rep = encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq, [snap, float(now), frozen])
-        return [Send(peer, rep)]
+        items = [self._signed(m) for m in self.core.snapshot()]
+        mine = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items() if f[0] == self.host]
+        return [
+            Send(peer, encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq,
+                                       [chunk, float(now), mine if part == parts - 1 else [], part, parts]))
+            for part, parts, chunk in sync_parts(items)
+        ]
 
     def _on_sync_reply(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
         st.last_heard = now
         if st.sync_sent is None or (st.incarnation is not None and env.incarnation < st.incarnation):
             self.counters.dropped += 1  # unsolicited or stale reply
             return []
-        return self._apply_sync(peer, st, env, now)
+        items, _sent_at, frozen, part, parts = env.payload
+        if part == 0:
+            st.reply_seq, st.reply_next = env.seq, 0
+        if part != st.reply_next or env.seq != st.reply_seq:
+            self.counters.dropped += 1  # a part of another reply: wait for the retry
+            return []
+        st.reply_next += 1
+        self._merge(peer, items, frozen, now)
+        if part < parts - 1:
+            return []
+        st.reply_seq = None
+        return self._finish_sync(peer, st, env, now)
 
     # ------------------------------------------------------------------ views
     def status(self, now: float) -> dict[str, Any]:
@@ -474,6 +510,7 @@ class Node:
                 "incarnation": st.incarnation,
                 "last_seq": st.last_seq,
                 "last_heard_s_ago": None if st.last_heard == -math.inf else round(now - st.last_heard, 3),
+                "clock_offset_s": self.clock.offset(p),
             }
             for p, st in self.peers.items()
         }
@@ -487,6 +524,8 @@ class Node:
             "reserved_links": sorted(self.core.link_holders()),
             "local_flows": len(self._local),
             "digest": self.core.digest(),
+            "clock": {"offset_s": self.clock.estimate(), "skewed": bool(self.skewed), "why": self.skewed,
+                      "bound_s": self.limits.max_clock_offset_s, "ahead_of_us": self.clock.ahead_of_us()},
             "node": vars(self.counters).copy(),
             "core": vars(self.core.counters).copy(),
         }
@@ -494,9 +533,9 @@ class Node:
     # ------------------------------------------------------------------ internals
     def _expiry(self, flow: FlowId, now: float, nbytes: int) -> float:
         end = self.core.end_of(flow)
-        if end is not None and end != math.inf:
+        if end is not None and end != math.inf and self.core.local_flows()[flow][3]:
             return end
-        # Not reserved (intra-leaf or ECMP fallback): the same lease, kept locally.
+        # Not reserved (intra-leaf, ECMP fallback, skewed clock): the same lease, kept locally.
         dst, path, _port, _res = self.core.local_flows()[flow]
         return now + self.lease(nbytes, self.core.routes.path_rate_bps(self.host, dst, path))
 
@@ -515,8 +554,31 @@ class Node:
         for m in msgs:
             self._out_seq += 1
             self.counters.published += 1
-            out.append(Publish(encode_envelope(K_DATA, self.host, self.incarnation, self._out_seq, encode(m))))
+            raw = encode(m)
+            sig = self._sign(raw) if self._sign is not None else b""
+            self._keep_signature(m, raw, sig)
+            out.append(Publish(encode_envelope(K_DATA, self.host, self.incarnation, self._out_seq, [raw, sig])))
         return out
+
+    def _keep_signature(self, msg: Message, raw: bytes, sig: bytes) -> None:
+        """Remember a message's signed bytes, to relay it in a snapshot: a flow's
+        reservation, its latest renewal and its earliest release (what a snapshot holds)."""
+        kind = _KIND[type(msg)]
+        order = msg.expires if isinstance(msg, Renew) else -msg.ts  # larger is kept
+        held = self._sigs.setdefault(msg.flow, {})
+        old = held.get(kind)
+        if old is None or order > old[2]:
+            held[kind] = (raw, sig, order)
+
+    def _signed(self, msg: Message) -> SignedMessage:
+        raw = encode(msg)
+        held = self._sigs.get(msg.flow, {}).get(_KIND[type(msg)])
+        return (raw, held[1]) if held is not None and held[0] == raw else (raw, b"")
+
+    def _prune_signatures(self, now: float) -> None:
+        self._sigs_pruned = now
+        for f in [f for f in self._sigs if not self.core.knows(f)]:
+            del self._sigs[f]
 
     def _hello(self, now: float) -> list[Output]:
         self._next_hello = now + self.heartbeat_s
@@ -524,12 +586,17 @@ class Node:
         # replica that has the same messages (nothing of it is in flight any more).
         since = float(now - self.core.retention_s / 2)
         until = float(now - self.digest_lag_s)
-        payload = [self.core.state_digest(since, until), since, until]
+        payload = [self.core.state_digest(since, until, owner=self.host), since, until, float(now),
+                   self.clock.ahead_of_us()]
         return [Publish(encode_envelope(K_HELLO, self.host, self.incarnation, self._out_seq, payload))]
 
-    def _request_sync(self, peer: int, now: float) -> list[Output]:
+    def _request_sync(self, peer: int, now: float, *, urgent: bool = False) -> list[Output]:
+        """Ask ``peer`` for a snapshot, unless a request to it is out and not yet due a retry."""
         st = self.peers[peer]
+        if not urgent and st.sync_sent is not None and now < st.sync_sent + self.sync_timeout_s:
+            return []
         st.sync_sent = now
+        self._syncing.add(peer)
         self.counters.sync_requests += 1
         return [Send(peer, encode_envelope(K_SYNC_REQ, self.host, self.incarnation, 0, None))]
 
@@ -539,43 +606,62 @@ class Node:
             if not waiting or now >= self._started_at + self.sync_timeout_s:
                 self.ready = True
 
-    def _sane(self, msg: Message) -> bool:
-        """Bounds the core cannot judge: a lease longer than ``max_lease_s``."""
-        if isinstance(msg, Reserve | Renew):
-            return msg.expires == math.inf or msg.expires - msg.ts <= self.max_lease_s
-        return True
+    def _judge_clock(self, now: float) -> list[Output]:
+        """Stop reserving while a majority of peers proves our clock wrong; give up what we hold."""
+        skewed, why = self.clock.verdict(now)
+        was, self.skewed = self.skewed, why if skewed else ""
+        if not skewed or was:
+            return []
+        out: list[Output] = []
+        for f in self._local:
+            if self.core.local_flows()[f][3]:
+                rel = self.core.unreserve(f, now)
+                self.events.extend(rel.events)
+                out.extend(self._publish(rel.messages))
+        return out
 
-    def _apply_sync(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
-        if st.incarnation != env.incarnation:
-            st.incarnation, st.last_seq, st.have = env.incarnation, 0, 0
-            st.ahead.clear()
-        msgs: list[Message] = []
-        for raw in env.payload[0]:
+    def _merge(self, peer: int, items: list[list[bytes]], frozen: list[list[Any]], now: float) -> None:
+        """Apply one part of a peer's snapshot: messages we may take from it, then the
+        assignments it can no longer recompute for its own flows."""
+        msgs: list[tuple[Message, bytes, bytes]] = []
+        for raw, sig in items:
             try:
                 m = decode(raw)
             except ProtocolError:
                 self.counters.invalid += 1
                 continue
-            owner = m.flow[0]
-            if owner != peer and owner != self.host:
-                other = self.peers.get(owner)
-                if other is None:
-                    continue
-                if other.synced and (m.flow[1] >> 32) == other.incarnation:
-                    continue  # a live, synced owner speaks for its own flows
-            if not self._sane(m):
-                self.counters.invalid += 1
-                continue
-            msgs.append(m)
+            if self._takes(peer, m, raw, sig) and self._timely(m, now, direct=False):
+                msgs.append((m, raw, sig))
         # Reservations first (in key order), then renewals and releases.
-        msgs.sort(key=lambda m: (0, m.key) if isinstance(m, Reserve) else (1, (m.ts, 0, 0)))
-        for m in msgs:
-            self.events.extend(self.core.receive(m, now, sender=m.flow[0]))
-        # Assignments the peer can no longer recompute (an overlapping reservation was
-        # forgotten there): take them as they are.
-        frozen = {(o, q): (None if p < 0 else p, sh) for o, q, p, sh in env.payload[2]}
-        if frozen:
-            self.events.extend(self.core.adopt(frozen))
+        msgs.sort(key=lambda x: (0, x[0].key) if isinstance(x[0], Reserve) else (1, (x[0].ts, 0, 0)))
+        for m, raw, sig in msgs:
+            self.core.receive(m, now, sender=m.flow[0], defer=True)
+            self._keep_signature(m, raw, sig)
+        self.events.extend(self.core.flush())
+        # Only the owner's word about its own flows (another host could lie about them).
+        mine = {(o, q): (None if p < 0 else p, sh) for o, q, p, sh in frozen if o == peer}
+        if mine:
+            self.events.extend(self.core.adopt(mine))
+
+    def _takes(self, peer: int, m: Message, raw: bytes, sig: bytes) -> bool:
+        owner = m.flow[0]
+        if owner == peer:
+            return True
+        if owner != self.host:
+            other = self.peers.get(owner)
+            if other is None:
+                return False
+            if other.synced and (m.flow[1] >> 32) == other.incarnation:
+                return False  # a live, synced owner speaks for its own flows
+        if self._verify is not None and not (sig and self._verify(owner, raw, sig)):
+            self.counters.forged += 1
+            return False
+        return True
+
+    def _finish_sync(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
+        if st.incarnation != env.incarnation:
+            st.incarnation, st.last_seq, st.have = env.incarnation, 0, 0
+            st.ahead.clear()
         # The snapshot covers everything the peer sent up to env.seq.
         st.have = max(st.have, env.seq)
         self._advance(st)
@@ -585,10 +671,11 @@ class Node:
         if st.have >= st.last_seq:
             st.synced = True
             st.sync_sent = None
+            self._syncing.discard(peer)
         else:
             # A hole above what this snapshot covers (a reply that was already on its
             # way when the loss happened): ask again.
-            out.extend(self._request_sync(peer, now))
+            out.extend(self._request_sync(peer, now, urgent=True))
         self._update_ready(now)
         return out + self._release_predecessors(now)
 

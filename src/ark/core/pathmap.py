@@ -319,6 +319,11 @@ class PathMapCache:
     def clear(self) -> None:
         self._maps.clear()
 
+    def forget_dport(self, dport: int) -> None:
+        """Drop every map towards ``dport`` (a core that no longer uses it)."""
+        for key in [k for k in self._maps if k[2] == dport]:
+            del self._maps[key]
+
     def __call__(self, src: int, dst: int, dport: int) -> PathMap:
         key = (src, dst, dport)
         maps = self._maps
@@ -330,6 +335,11 @@ class PathMapCache:
         elif self.capacity is not None:
             maps[key] = maps.pop(key)
         return m
+
+    def peek(self, src: int, dst: int, dport: int) -> PathMap:
+        """The map, without keeping a new one (a one-off question must not grow the cache)."""
+        m = self._maps.get((src, dst, dport))
+        return m if m is not None else self._load(src, dst, dport)
 
     def _load(self, src: int, dst: int, dport: int) -> PathMap:
         path = self.file_for(src, dst, dport)

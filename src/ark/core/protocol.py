@@ -78,6 +78,7 @@ from ark.core.table import (
     POLICIES,
     Changed,
     CoreError,
+    CoreLimits,
     Counters,
     Entry,
     ReservationTable,
@@ -87,7 +88,7 @@ from ark.core.table import (
 )
 
 __all__ = [
-    "POLICIES", "ArkCore", "CoreError", "Counters", "Decision", "LeaseFn", "PathMaps", "Released", "Repath",
+    "POLICIES", "ArkCore", "CoreError", "CoreLimits", "Counters", "Decision", "LeaseFn", "PathMaps", "Released", "Repath",
     "Routes", "deadline_after",
 ]
 
@@ -163,6 +164,7 @@ class ArkCore:
         seq_base: int = 0,
         table: ReservationTable | None = None,
         max_idle_peers: int | None = None,
+        limits: CoreLimits | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -180,8 +182,10 @@ class ArkCore:
         self.policy = policy
         self.counters = Counters()
         self._shared = table is not None
+        self.limits = limits or (table.limits if table is not None else CoreLimits.unbounded())
         self._table = table if table is not None else ReservationTable(
-            routes, policy=policy, retention_s=retention_s, expiry_grace_s=expiry_grace_s, counters=self.counters)
+            routes, policy=policy, retention_s=retention_s, expiry_grace_s=expiry_grace_s, counters=self.counters,
+            limits=self.limits)
         self.retention_s = self._table.retention_s
         self.expiry_grace_s = self._table.expiry_grace_s
         self.purge_slack_s = self._table.purge_slack_s
@@ -203,18 +207,22 @@ class ArkCore:
         # reservations among them.
         self._pending: list[Message] = []
         self._overlay: dict[FlowId, Entry] = {}
+        self._dports: dict[int, None] = {}  # destination ports in use, least recent first
+        self._settled: list[Repath] = []  # changes a deferred recomputation made, not yet returned
         self._handlers: dict[type, Callable[[Any], list[Repath]]] = {
             Reserve: self._on_reserve, Release: self._on_release, Renew: self._on_renew,
         }
 
     # ------------------------------------------------------------------ owner API
     def request(
-        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None
+        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,
+        *, reserve: bool = True,
     ) -> Decision:
         """Pick a path and source port for a new flow to ``dst`` and reserve it.
 
         ``prefer_port``: keep this source port if the path it leads to is free (a
-        re-pathed flow then needs no new connection).
+        re-pathed flow then needs no new connection). ``reserve=False``: a random port,
+        nothing reserved (plain ECMP; a host whose clock cannot be trusted does this).
         """
         if not 0 <= dst < self._n_hosts or dst == self.host:
             raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
@@ -222,6 +230,7 @@ class ArkCore:
             raise CoreError(f"nbytes: must be >= 0; got {nbytes}")
         if not 0 <= dport <= 0xFFFF:
             raise CoreError(f"dport: must be 0..65535; got {dport}")
+        self._settle()
         self.counters.requests += 1
         self._seq += 1
         flow = (self.host, self._seq)
@@ -230,6 +239,11 @@ class ArkCore:
         if not stages:  # intra-leaf: nothing to choose, nothing to reserve
             return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False)
         n = len(stages[0])
+        if not reserve:
+            port = self._random_port(buckets)
+            return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
+        if self._table.owner_count(self.host) >= self.limits.max_flows_per_host:
+            raise CoreError(f"flows: this host holds {self.limits.max_flows_per_host} reservations (the limit)")
         path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now))
         shared = False
         if path is None:
@@ -270,7 +284,7 @@ class ArkCore:
     def _unreserved(self, flow: FlowId, dst: int, dport: int, path: int, port: int, *, fallback: bool) -> Decision:
         self._own[flow] = _Own(flow, dst, dport, path, port, False)
         return Decision(flow, dst, dport, path, port, flow_label_for_sport(port),
-                        reserved=False, shared=False, fallback=fallback, messages=())
+                        reserved=False, shared=False, fallback=fallback, messages=(), events=tuple(self.flush()))
 
     def _reserve(
         self, flow: FlowId, dst: int, dport: int, path: int, port: int, nbytes: int, now: float, shared: bool
@@ -287,7 +301,7 @@ class ArkCore:
             self._overlay[flow] = Entry(msg, expires=msg.expires)
             changes = self.resync()
         else:
-            changes = self.sync(self._table.insert(msg))
+            changes = [*self.sync(self._table.insert(msg)), *self.flush()]
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
         # recomputation may move other local flows: report those as events.
         events = tuple(e for e in changes if e.flow != flow)
@@ -300,6 +314,7 @@ class ArkCore:
 
     def select_path(self, dst: int) -> int | None:
         """The lowest-index path to ``dst`` whose links are all free (None if none)."""
+        self._settle()
         stages = self._table.stage_list(self.host, dst)
         if not stages:
             return 0
@@ -310,27 +325,48 @@ class ArkCore:
         own = self._own.pop(flow, None)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
+        self._settle()
         buckets = self._bucket(own.dst, own.dport)
         for port in (own.port, *own.stale):
             buckets.give(port)
         if self._max_idle is not None and not buckets.in_use:
             self._forget_idle((own.dst, own.dport))
         entry = self._entry(flow)
-        if entry is None:
-            return Released((), ())
         msg = Release(flow, float(now))
-        if entry.released is not None or msg.ts < entry.msg.ts:
-            return Released((), ())
+        if entry is None or entry.released is not None or msg.ts < entry.msg.ts:
+            return Released((), tuple(self.flush()))
         if self._shared:
             self._pending.append(msg)
             return Released((msg,), tuple(self.resync()))
-        return Released((msg,), tuple(self.sync(self._table.apply_release(msg))))
+        self.sync(self._table.apply_release(msg))
+        return Released((msg,), tuple(self.flush()))
+
+    def unreserve(self, flow: FlowId, now: float) -> Released:
+        """Give up a local flow's reservation but keep the flow (and its port) running.
+
+        The flow goes on as plain ECMP; peers learn from the RELEASE that its links are
+        free. Used when this host can no longer keep its promises (a skewed clock).
+        """
+        own = self._own.get(flow)
+        if own is None:
+            raise CoreError(f"flow: {flow} is not an active local flow")
+        if self._shared:
+            raise CoreError("unreserve: not on a shared table")
+        self._settle()
+        entry = self._table.get(flow)
+        own.reserved = False
+        if entry is None or entry.released is not None or now < entry.msg.ts:
+            return Released((), tuple(self.flush()))
+        msg = Release(flow, float(now))
+        self.sync(self._table.apply_release(msg))
+        return Released((msg,), tuple(e for e in self.flush() if e.flow != flow))
 
     def renew(self, flow: FlowId, now: float) -> tuple[Message, ...]:
         """Extend a local reservation's lease by a full lease from ``now``."""
         own = self._own.get(flow)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
+        self._settle()
         entry = self._table.get(flow)
         if entry is None or self._lease is None or entry.released is not None:
             return ()
@@ -341,8 +377,12 @@ class ArkCore:
         self._table.apply_renew(entry, msg)
         return (msg,)
 
-    def receive(self, msg: Message, now: float, sender: int | None = None) -> list[Repath]:
-        """Apply a peer's message; returns changes to local flows (races lost)."""
+    def receive(self, msg: Message, now: float, sender: int | None = None, *, defer: bool = False) -> list[Repath]:
+        """Apply a peer's message; returns changes to local flows (races lost).
+
+        ``defer``: leave a forced re-evaluation for :meth:`flush` (a batch of messages
+        then costs one); the changes come back from that call instead.
+        """
         if self._shared:
             raise CoreError("receive: this core shares its table; the table receives the messages")
         self.counters.received += 1
@@ -353,7 +393,8 @@ class ArkCore:
         if handler is None:
             self.counters.invalid += 1
             return []
-        return handler(msg)
+        events = handler(msg)
+        return events if defer else [*events, *self.flush()]
 
     def _on_reserve(self, msg: Reserve) -> list[Repath]:
         if not self._table.admissible(msg):
@@ -363,6 +404,8 @@ class ArkCore:
             # (Lower seqs belong to a predecessor before a restart: kept, so that
             # they can be released.)
             self.counters.stale += 1
+            return []
+        if not self._table.has_room(msg):
             return []
         return self.sync(self._table.insert(msg))
 
@@ -380,7 +423,8 @@ class ArkCore:
         """
         if self._shared:
             return []
-        events: list[Repath] = []
+        self._settle()
+        events: list[Repath] = self.flush()
         for flow in self._table.tick(now):
             if flow in self._own:
                 events.extend(self._sync_own(flow, race=False))
@@ -389,6 +433,26 @@ class ArkCore:
     def next_deadline(self) -> float:
         """The earliest instant at which :meth:`tick` has work (``inf``: none)."""
         return INF if self._shared else self._table.next_deadline()
+
+    def flush(self) -> list[Repath]:
+        """Apply what received messages deferred; changes to local flows since the last flush.
+
+        :meth:`receive` with ``defer`` leaves re-evaluations that a message forces (a key
+        older than the newest, a release or renewal that changes the past) to the table,
+        so that a batch of messages costs one recomputation from the earliest affected
+        key. Every owner operation and every view settles first, so nothing observable is
+        stale; a driver calls this after each batch (or each message) to learn which
+        local flows moved.
+        """
+        self._settle()
+        out, self._settled = self._settled, []
+        return out
+
+    def _settle(self) -> None:
+        """Run the table's deferred recomputation; keep what it moved for the next flush().
+        (A shared table's owner settles it and tells each core itself.)"""
+        if not self._shared:
+            self._settled.extend(self.sync(self._table.take_changed()))
 
     # ------------------------------------------------------------------ shared table
     def delivered(self, msg: Message) -> list[Repath]:
@@ -465,6 +529,7 @@ class ArkCore:
     # ------------------------------------------------------------------ table views
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
         """Assignments that can no longer be recomputed here (see :class:`~ark.core.table.Entry`)."""
+        self._settle()
         return self._table.frozen()
 
     def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]]) -> list[Repath]:
@@ -472,23 +537,32 @@ class ArkCore:
         return self.sync(self._table.adopt(assignments))
 
     def _recompute(self) -> list[Repath]:
+        self._settle()
         return self.sync(self._table.recompute())
 
     def snapshot(self) -> list[Message]:
         """Every message this replica holds, for a peer that (re)joins."""
+        self._settle()
         return self._table.snapshot()
 
     def table(self, at: float | None = None) -> dict[FlowId, tuple[int, bool]]:
         """Reservations holding links: flow -> (path, shared) (see :meth:`ReservationTable.table`)."""
+        self._settle()
         return self._table.table(at)
 
     def entries(self) -> dict[FlowId, tuple[Reserve, float | None, int | None, bool]]:
         """Everything the replica knows: flow -> (reserve, released ts, path, shared)."""
+        self._settle()
         return self._table.entries()
 
-    def state_digest(self, since: float, until: float = INF) -> bytes:
-        """Digest of the (flow, end) pairs ending in [``since``, ``until``) (see the table)."""
-        return self._table.state_digest(since, until)
+    def state_digest(self, since: float, until: float = INF, owner: int | None = None) -> bytes:
+        """Digest of the (flow, end) pairs (of ``owner``, or of every host) ending in
+        [``since``, ``until``) (see the table)."""
+        return self._table.state_digest(since, until, owner)
+
+    def knows(self, flow: FlowId) -> bool:
+        """Does this replica keep anything about ``flow`` (a reservation, an early message)?"""
+        return self._table.knows(flow)
 
     def end_of(self, flow: FlowId) -> float | None:
         """The end of a known reservation (min of release and lease expiry)."""
@@ -496,13 +570,16 @@ class ArkCore:
 
     def digest(self, at: float | None = None) -> str:
         """Order-independent digest of :meth:`table` (paths, not ports)."""
+        self._settle()
         return self._table.digest(at)
 
     def link_holders(self) -> dict[int, frozenset[FlowId]]:
+        self._settle()
         return self._table.link_holders()
 
     def exclusive_conflicts(self, at: float | None = None) -> list[int]:
         """Links held by two flows of which one claims them alone (must stay empty)."""
+        self._settle()
         return self._table.exclusive_conflicts(at)
 
     # ------------------------------------------------------------------ local flows
@@ -514,6 +591,7 @@ class ArkCore:
         and its owner moves to the new port if it changed (a RoCE QP through
         mlx5dv_modify_qp_udp_sport, a TCP sender on a new connection).
         """
+        self._settle()
         old = self._buckets
         self._buckets = {}
         for key, b in old.items():
@@ -532,12 +610,14 @@ class ArkCore:
 
     def local_flows(self) -> dict[FlowId, tuple[int, int, int, bool]]:
         """Local flows: flow -> (dst, path, port, reserved)."""
+        self._settle()
         return {f: (o.dst, o.path, o.port, o.reserved) for f, o in self._own.items()}
 
     def _bucket(self, dst: int, dport: int) -> PortBuckets:
         key = (dst, dport)
         b = self._buckets.get(key)
         if b is None:
+            self._admit_dport(dport)
             b = self._buckets[key] = PortBuckets(self._pathmaps(self.host, dst, dport))
             cursors = self._cursors.pop(key, None) if self._cursors else None
             if cursors is not None:
@@ -546,6 +626,26 @@ class ArkCore:
             self._idle.pop(key, None)
         return b
 
+    def _admit_dport(self, dport: int) -> None:
+        """Make room for a new destination port: its maps and buckets cost memory per peer."""
+        ports = self._dports
+        if dport in ports:
+            ports[dport] = ports.pop(dport)  # most recent last
+            return
+        if len(ports) >= self.limits.max_dports:
+            idle = next((d for d in ports if not any(b.in_use for (_, dp), b in self._buckets.items() if dp == d)), None)
+            if idle is None:
+                raise CoreError(f"dport: {len(ports)} destination ports are in use (limit {self.limits.max_dports}); "
+                                f"got {dport}")
+            del ports[idle]
+            for key in [k for k in self._buckets if k[1] == idle]:
+                del self._buckets[key]
+                self._idle.pop(key, None)
+            forget = getattr(self._pathmaps, "forget_dport", None)
+            if forget is not None:
+                forget(idle)
+        ports[dport] = None
+
     def _forget_idle(self, key: tuple[int, int]) -> None:
         idle = self._idle
         idle.pop(key, None)
@@ -553,7 +653,9 @@ class ArkCore:
         while len(idle) > (self._max_idle or 0):
             old = next(iter(idle))
             del idle[old]
-            self._cursors[old] = self._buckets.pop(old).cursors
+            b = self._buckets.pop(old, None)
+            if b is not None:
+                self._cursors[old] = b.cursors
 
     def _random_port(self, buckets: PortBuckets) -> int:
         if buckets.map.sampled:  # only probed ports have a known path

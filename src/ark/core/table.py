@@ -25,6 +25,7 @@ POLICIES = ("ark", "ark-balance")
 INF = float("inf")
 _NO_END_BUCKET = 2**62
 _BUCKETS_PER_S = 10
+_EVERYTHING: Key = (-INF, -1, -1)  # a deferred full recomputation
 
 # What a table operation may have changed: these flows, or (None) every flow.
 Changed = list[FlowId] | None
@@ -46,6 +47,36 @@ class Routes(Protocol):
 
 class CoreError(ValueError):
     """A local API misuse (unknown host, unknown flow, bad argument)."""
+
+
+def _bucket_of(t: float) -> int:
+    """The 100 ms digest bucket of a time; clamped, so no finite or infinite time overflows."""
+    v = t * _BUCKETS_PER_S
+    if v != v:
+        raise CoreError("time: NaN")
+    if v >= _NO_END_BUCKET:
+        return _NO_END_BUCKET
+    return -_NO_END_BUCKET if v <= -_NO_END_BUCKET else math.floor(v)
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    """Bounds on what other hosts and local clients can make a replica keep.
+
+    ``max_flows_per_host``: reservations of one owner a replica holds (a RESERVE beyond
+    it is dropped and counted); ``max_early_per_host``: releases and renewals of one
+    owner's still unknown flows kept for later; ``max_dports``: destination ports with
+    path maps and port buckets at once (the least recently used idle one is dropped).
+    """
+
+    max_flows_per_host: int = 4096
+    max_early_per_host: int = 1024
+    max_dports: int = 8
+
+    @classmethod
+    def unbounded(cls) -> CoreLimits:
+        """For a replica that only trusted code feeds (the simulator, benchmarks)."""
+        return cls(2**62, 2**62, 2**16)
 
 
 def deadline_after(t: float, offset: float, *, strict: bool) -> float:
@@ -92,6 +123,7 @@ class Counters:
     duplicates: int = 0
     stale: int = 0
     invalid: int = 0
+    overflow: int = 0  # dropped: an owner over its share of the table (CoreLimits)
     recomputes: int = 0
     partial_recomputes: int = 0
 
@@ -145,6 +177,7 @@ class ReservationTable:
         retention_s: float = 5.0,
         expiry_grace_s: float = 0.25,
         counters: Counters | None = None,
+        limits: CoreLimits | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -176,10 +209,19 @@ class ReservationTable:
         # Entries whose end is after _expired_upto: all a partial recomputation needs
         # to know about the past.
         self._live: set[FlowId] = set()
-        self._digest_buckets: dict[int, int] = {}
+        # Per owner: XOR of (flow, end) hashes per 100 ms of end time (see state_digest).
+        self._digest_buckets: dict[int, dict[int, int]] = {}
         self._digest_of: dict[FlowId, tuple[int, int]] = {}
+        self.limits = limits or CoreLimits.unbounded()
+        self._per_owner: dict[int, int] = {}  # entries held per owner host
+        self._early_per_owner: dict[int, int] = {}
         self._purge_heap: list[tuple[float, FlowId]] = []  # for forgetting
         self._horizon = -INF
+        # Recomputation is deferred while messages arrive in a batch (see settle()); what a
+        # settled recomputation changed waits for take_changed().
+        self._deferred: Key | None = None
+        self._changed: list[FlowId] = []
+        self._changed_all = False
         self._handlers: dict[type, Callable[[Any], Changed]] = {
             Reserve: self._receive_reserve, Release: self.on_release, Renew: self.on_renew,
         }
@@ -219,7 +261,22 @@ class ReservationTable:
         return handler(msg)
 
     def _receive_reserve(self, msg: Reserve) -> Changed:
-        return self.insert(msg) if self.admissible(msg) else []
+        return self.insert(msg) if self.admissible(msg) and self.has_room(msg) else []
+
+    def has_room(self, msg: Reserve) -> bool:
+        """Is its owner under its share of the table (:class:`CoreLimits`)? Counted if not."""
+        if self._per_owner.get(msg.flow[0], 0) >= self.limits.max_flows_per_host:
+            self.counters.overflow += 1
+            return False
+        return True
+
+    def owner_count(self, host: int) -> int:
+        """Reservations of ``host`` this replica holds."""
+        return self._per_owner.get(host, 0)
+
+    def knows(self, flow: FlowId) -> bool:
+        """Does this replica keep anything about ``flow`` (a reservation, an early message)?"""
+        return flow in self._entries or flow in self._early_release or flow in self._early_renew
 
     def admissible(self, msg: Reserve) -> bool:
         """A valid RESERVE, not stale, not known yet (else counted and refused)."""
@@ -245,7 +302,7 @@ class ReservationTable:
                 self.counters.stale += 1
             elif msg.flow in self._early_release and self._early_release[msg.flow] <= msg.ts:
                 self.counters.duplicates += 1
-            else:
+            elif self._early_room(msg.flow, msg.flow not in self._early_release):
                 self._early_release[msg.flow] = msg.ts
             return []
         if entry.released is not None and entry.released <= msg.ts:
@@ -265,7 +322,7 @@ class ReservationTable:
                 self.counters.stale += 1
             else:
                 old_r = self._early_renew.get(msg.flow)
-                if old_r is None or old_r.expires < msg.expires:
+                if (old_r is None or old_r.expires < msg.expires) and self._early_room(msg.flow, old_r is None):
                     self._early_renew[msg.flow] = msg
             return []
         if msg.ts < entry.msg.ts or msg.expires < entry.msg.ts:
@@ -278,6 +335,24 @@ class ReservationTable:
         # table is a function of the message set, whatever the arrival times.
         return self.apply_renew(entry, msg)
 
+    def _early_room(self, flow: FlowId, new: bool) -> bool:
+        """Count a new early release/renewal of ``flow``'s owner; False when over the cap."""
+        if not new:
+            return True
+        n = self._early_per_owner.get(flow[0], 0)
+        if n >= self.limits.max_early_per_host:
+            self.counters.overflow += 1
+            return False
+        self._early_per_owner[flow[0]] = n + 1
+        return True
+
+    def _early_gone(self, flow: FlowId) -> None:
+        n = self._early_per_owner.get(flow[0], 0) - 1
+        if n > 0:
+            self._early_per_owner[flow[0]] = n
+        else:
+            self._early_per_owner.pop(flow[0], None)
+
     def insert(self, msg: Reserve) -> Changed:
         """Add an admissible RESERVE; the changed flows include ``msg.flow`` itself."""
         entry = Entry(msg, expires=msg.expires)
@@ -285,17 +360,22 @@ class ReservationTable:
         # The fast path is exact when the holders index equals "entries whose end is
         # after msg.ts": no larger key exists and nothing ended early after msg.ts.
         fast = (
-            (not self._keys or key > self._keys[-1])
+            self._deferred is None
+            and (not self._keys or key > self._keys[-1])
             and msg.ts >= self._max_released
             and msg.ts >= self._expired_upto
         )
         self._entries[msg.flow] = entry
+        self._per_owner[msg.flow[0]] = self._per_owner.get(msg.flow[0], 0) + 1
         insort(self._keys, key)
         renew = self._early_renew.pop(msg.flow, None) if self._early_renew else None
+        if renew is not None:
+            self._early_gone(msg.flow)
         if renew is not None and renew.expires > entry.expires:
             entry.expires, entry.renew_ts = renew.expires, renew.ts
         early = self._early_release.pop(msg.flow, None) if self._early_release else None
         if early is not None:
+            self._early_gone(msg.flow)
             entry.released = max(early, msg.ts)
             self._max_released = max(self._max_released, entry.end)
             fast = False
@@ -303,10 +383,8 @@ class ReservationTable:
             fast = False
         self._push_end(entry)
         if not fast:
-            changed = self._recompute_from(key)
-            if changed is None or msg.flow in changed:
-                return changed
-            return [*changed, msg.flow]
+            self._defer(key)  # settle() evaluates it, with whatever else arrives in the batch
+            return []
         holders = self._holders
         stages = self.stage_list(msg.src, msg.dst)
         links = [st[msg.path] for st in stages]
@@ -340,7 +418,7 @@ class ReservationTable:
         if new_end != old_end and self._later_start_at_or_after(entry, new_end):
             # Someone reserved at or after this release instant: their evaluation
             # may change now that this flow is known to be gone by then.
-            return self._recompute_from((new_end, -1, -1))
+            self._defer((new_end, -1, -1))
         return []
 
     def apply_renew(self, entry: Entry, msg: Renew) -> Changed:
@@ -355,10 +433,40 @@ class ReservationTable:
             self._max_released = max(self._max_released, new_end)
         lapsed = old_end <= self._expired_upto and entry.path is not None and not entry.held
         if lapsed:
-            return self.recompute()
-        if self._later_start_at_or_after(entry, old_end):
-            return self._recompute_from((old_end, -1, -1))
+            # It holds again: only a full recomputation rebuilds the holders index for it.
+            self._defer(_EVERYTHING)
+        elif self._later_start_at_or_after(entry, old_end):
+            self._defer((old_end, -1, -1))
         return []
+
+    def _defer(self, start: Key) -> None:
+        self._deferred = start if self._deferred is None else min(self._deferred, start)
+
+    def settle(self) -> None:
+        """Run a deferred recomputation now (its changes wait for :meth:`take_changed`).
+
+        Messages that force a re-evaluation (a key older than the newest, a release or
+        renewal that changes the past) defer it, so that a batch of messages costs one
+        recomputation from the earliest affected key. Every view settles first, so
+        nothing observable is stale.
+        """
+        if self._deferred is None:
+            return
+        start, self._deferred = self._deferred, None
+        changed = self._recompute_from(start)
+        if changed is None:
+            self._changed_all = True
+        else:
+            self._changed.extend(changed)
+
+    def take_changed(self) -> Changed:
+        """Settle, then the flows whose assignment changed since the last call (None: all)."""
+        self.settle()
+        if self._changed_all:
+            self._changed_all, self._changed = False, []
+            return EVERY_FLOW
+        out, self._changed = self._changed, []
+        return out
 
     def recompute(self) -> Changed:
         """Evaluate every reservation again and rebuild the holders index."""
@@ -384,9 +492,9 @@ class ReservationTable:
         active at ``start`` is in ``_live``; so this equals the full recomputation while
         costing (active + suffix) instead of (everything retained).
         """
-        t0 = start[0]
-        if t0 < self._expired_upto:
+        if start == _EVERYTHING:
             return self.recompute()
+        t0 = start[0]
         keys, entries = self._keys, self._entries
         i = bisect_left(keys, start)
         if i >= len(keys):
@@ -394,7 +502,9 @@ class ReservationTable:
         self.counters.partial_recomputes += 1
         k0 = keys[i]
         sweep = _Sweep()
-        for f in self._live:
+        # Entries still active at t0: all in _live when t0 is after the expiry horizon,
+        # else found by one scan (cheap: no assignment is evaluated for them).
+        for f in self._live if t0 >= self._expired_upto else entries:
             e = entries[f]
             if e.path is not None and e.msg.key < k0 and e.end > t0:
                 sweep.add(e.msg.key, self.links(e.msg, e.path), e.end)
@@ -415,6 +525,7 @@ class ReservationTable:
 
         Returns the flows whose lease ran out (they no longer hold a path).
         """
+        self.settle()
         expired: list[FlowId] = []
         upto = now - self.expiry_grace_s
         if upto > self._expired_upto:
@@ -450,6 +561,11 @@ class ReservationTable:
             if e.held:  # unreachable: the grace is shorter than the retention
                 self._unhold(flow, self.links(e.msg, e.path))  # type: ignore[arg-type]
             del self._entries[flow]
+            n = self._per_owner[flow[0]] - 1
+            if n:
+                self._per_owner[flow[0]] = n
+            else:
+                del self._per_owner[flow[0]]
             self._live.discard(flow)
             self._digest_set(flow, None)
             i = bisect_left(self._keys, e.msg.key)
@@ -463,9 +579,11 @@ class ReservationTable:
         for d in (self._early_release, self._early_renew):
             for f in [f for f, t in d.items() if (t if isinstance(t, float) else t.ts) < horizon]:
                 del d[f]
+                self._early_gone(f)
 
     def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]]) -> Changed:
         """Take a peer's frozen assignments (a joiner cannot recompute them itself)."""
+        self.settle()
         changed = False
         for f, (path, shared) in assignments.items():
             e = self._entries.get(f)
@@ -494,13 +612,14 @@ class ReservationTable:
             t = min(t, deadline_after(self._end_heap[0][0], self.expiry_grace_s + self.purge_slack_s, strict=False))
         if self._purge_heap:
             t = min(t, deadline_after(self._purge_heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
-        early = [*self._early_release.values(), *(r.ts for r in self._early_renew.values())]
-        if early:
-            t = min(t, deadline_after(min(early), self.retention_s + self.purge_slack_s, strict=True))
+        if self._early_release or self._early_renew:
+            early = min([*self._early_release.values(), *(r.ts for r in self._early_renew.values())])
+            t = min(t, deadline_after(early, self.retention_s + self.purge_slack_s, strict=True))
         return t
 
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
         """Assignments that can no longer be recomputed here (see :class:`Entry` ``frozen``)."""
+        self.settle()
         return {f: (e.path, e.shared) for f, e in self._entries.items() if e.frozen}
 
     def snapshot(self) -> list[Message]:
@@ -509,6 +628,7 @@ class ReservationTable:
         The table is a function of the message set, so a replica that applies these
         converges to this one's table.
         """
+        self.settle()
         out: list[Message] = []
         for key in self._keys:
             e = self._entries[(key[1], key[2])]
@@ -528,6 +648,7 @@ class ReservationTable:
         ``at=T``: exactly the reservations that hold links at instant ``T``, a pure function
         of the messages held (for comparing replicas whose clocks differ).
         """
+        self.settle()
         if at is None:
             return {f: (e.path, e.shared) for f, e in self._entries.items() if e.held and e.path is not None}
         return {
@@ -538,23 +659,27 @@ class ReservationTable:
 
     def entries(self) -> dict[FlowId, tuple[Reserve, float | None, int | None, bool]]:
         """Everything the replica knows: flow -> (reserve, released ts, path, shared)."""
+        self.settle()
         return {f: (e.msg, e.released, e.path, e.shared) for f, e in self._entries.items()}
 
-    def state_digest(self, since: float, until: float = INF) -> bytes:
-        """Digest of what this replica knows about reservations ending in
-        [``since``, ``until``): (flow, end) pairs. Equal message sets give equal digests.
+    def state_digest(self, since: float, until: float = INF, owner: int | None = None) -> bytes:
+        """Digest of what this replica knows about reservations (of ``owner``, or of every
+        host) ending in [``since``, ``until``): (flow, end) pairs. Equal message sets give
+        equal digests.
 
         Bounds are rounded down to 100 ms. A window that closes a little in the past
         ignores what is still in flight or still being renewed."""
         # XOR of per-entry hashes kept per 100 ms of end time: order-free and cheap.
         # Python's hash of ints and floats is not salted, so every process computes
         # the same value.
-        lo = math.floor(since * _BUCKETS_PER_S)
-        hi = _NO_END_BUCKET + 1 if until == INF else math.floor(until * _BUCKETS_PER_S)
+        lo = _bucket_of(since)
+        hi = _NO_END_BUCKET + 1 if until == INF else _bucket_of(until)
+        owners = self._digest_buckets.values() if owner is None else [self._digest_buckets.get(owner, {})]
         x = 0
-        for b, v in self._digest_buckets.items():
-            if lo <= b < hi:
-                x ^= v
+        for buckets in owners:
+            for b, v in buckets.items():
+                if lo <= b < hi:
+                    x ^= v
         return (x & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
 
     def end_of(self, flow: FlowId) -> float | None:
@@ -572,6 +697,7 @@ class ReservationTable:
         return h.hexdigest()[:16]
 
     def link_holders(self) -> dict[int, frozenset[FlowId]]:
+        self.settle()
         return {lk: frozenset(s) for lk, s in self._holders.items() if s}
 
     def exclusive_conflicts(self, at: float | None = None) -> list[int]:
@@ -650,18 +776,21 @@ class ReservationTable:
         return None, False
 
     def _digest_set(self, flow: FlowId, end: float | None) -> None:
+        buckets = self._digest_buckets.get(flow[0])
+        if buckets is None:
+            buckets = self._digest_buckets[flow[0]] = {}
         old = self._digest_of.pop(flow, None)
         if old is not None:
             b, h = old
-            v = self._digest_buckets[b] ^ h
+            v = buckets[b] ^ h
             if v:
-                self._digest_buckets[b] = v
+                buckets[b] = v
             else:
-                del self._digest_buckets[b]
+                del buckets[b]
         if end is not None:
-            b = _NO_END_BUCKET if end == INF else math.floor(end * _BUCKETS_PER_S)
+            b = _bucket_of(end)
             h = hash((flow[0], flow[1], end))
-            self._digest_buckets[b] = self._digest_buckets.get(b, 0) ^ h
+            buckets[b] = buckets.get(b, 0) ^ h
             self._digest_of[flow] = (b, h)
 
     def _push_end(self, entry: Entry) -> None:

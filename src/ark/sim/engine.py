@@ -354,6 +354,9 @@ class FluidSim:
         flows that touched (and those still judging pending reservations) catch up."""
         assert self.table is not None
         changed = self.table.receive(msg)
+        later = self.table.take_changed()  # what a deferred re-evaluation moved
+        if changed is not None:
+            changed = None if later is None else [*changed, *later]
         cores, n = self.cores, self.fabric.n_hosts
         moved = self._apply_repaths(cores[msg.flow[0]].delivered(msg))
         if changed is None:
@@ -376,8 +379,13 @@ class FluidSim:
         now = self._now
         self._timer_at = math.inf
         if self.table is not None:
-            for f in self.table.tick(now):
+            expired = self.table.tick(now)
+            later = self.table.take_changed()
+            for f in expired:
                 if self._apply_repaths(self.cores[f[0]].sync((f,))):
+                    self._dirty = True
+            for core in self.cores if later is None else (self.cores[f[0]] for f in later):
+                if self._apply_repaths(core.sync(None if later is None else later)):
                     self._dirty = True
             self._arm_timer(None)
             return

@@ -35,7 +35,7 @@ def available() -> str | None:
     try:
         import pyroute2  # noqa: F401
     except ImportError:
-        return "needs pyroute2 (pip install 'ark[testbed]')"
+        return "needs pyroute2 (pip install pyroute2)"
     return None
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from ark.agent.cluster import ClusterFile, ClusterSettings, HostTable
-from ark.agent.keys import create_keypair, public_key
+from ark.agent.keys import create_keypair, public_keys
 from ark.core.clos import ClosFabric
 from ark.core.fabric_config import FabricConfig
 from ark.core.flows import FlowSpec
@@ -67,12 +67,13 @@ def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128) 
     for i in range(spec.leaves * spec.gpus_per_leaf):
         name = f"gpu{i}"
         secret = keys / f"{name}.key_secret"
-        public = public_key(secret) if secret.exists() else create_keypair(keys, name)[0]
+        kp = public_keys(secret) if secret.exists() else create_keypair(keys, name)
         hosts.append(HostTable(name=name, control=lay.control(i), api=f"ipc://{st.dir}/api/{name}.sock",
-                               public_key=public, secret_key_file=f"keys/{name}.key_secret"))
+                               public_key=kp.public_key, sign_key=kp.sign_key, secret_key_file=f"keys/{name}.key_secret"))
     settings = ClusterSettings(
         policy=policy, dport=spec.dport, port_range=f"{spec.port_range[0]}-{spec.port_range[1]}",
         lease_min_s=lease_min_s, heartbeat_s=0.5, peer_timeout_s=2.0, sync_timeout_s=1.0, pathmap_dir="maps",
+        state_dir="state",
         routers_file="routers.json", probe_proto="tcp", probe_sample=sample, probe_check_s=PROBE_CHECK_S,
     )
     (st.dir / "routers.json").write_text(json.dumps(lay.routers_file()))

@@ -1,0 +1,62 @@
+"""A persistent, monotonic incarnation number per agent.
+
+Peers ignore messages from an incarnation lower than the newest they have seen (a delayed
+message from before a restart), so a restarted agent must never come back with a lower
+one, whatever its clock does. The number is ``max(previous + 1, seconds since 2023-11-14)``:
+the stored previous value makes it monotonic across clock steps back, and the clock makes
+it grow even when the state file is lost. It is written (atomically, fsynced) before it
+is used. Seconds since the epoch fit the 30 bits a node allows until 2057.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+EPOCH = 1_700_000_000  # 2023-11-14: incarnations count seconds from here
+MAX_INCARNATION = 2**30 - 1
+
+
+class IncarnationError(RuntimeError):
+    """The state file cannot be read or written."""
+
+
+def next_incarnation(state_dir: str | Path, host: str, clock: Callable[[], float] = time.time) -> int:
+    """Read the previous incarnation of ``host``, store and return the next one."""
+    d = Path(state_dir)
+    path = d / f"{host}.incarnation"
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        prev = _read(path)
+        now = int(clock()) - EPOCH
+        inc = max(prev + 1, now, 1)
+        if inc > MAX_INCARNATION:
+            raise IncarnationError(f"state_dir: incarnation {inc} of {host} exceeds {MAX_INCARNATION}; "
+                                   f"reset {path} only when every peer has been restarted")
+        tmp = path.with_name(f".{path.name}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{inc}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        with contextlib.suppress(OSError):  # the rename itself must survive a crash
+            dfd = os.open(d, os.O_RDONLY)
+            os.fsync(dfd)
+            os.close(dfd)
+    except OSError as e:
+        raise IncarnationError(f"state_dir: cannot keep {path}: {e.strerror}") from None
+    return inc
+
+
+def _read(path: Path) -> int:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return 0
+    if not text.isdigit() or int(text) > MAX_INCARNATION:
+        raise IncarnationError(f"state_dir: {path} is damaged (expected an integer); remove it to start over")
+    return int(text)

@@ -1,0 +1,154 @@
+"""The agent's sockets, configured for a hostile network and hostile local users.
+
+* Every inbound socket caps message size (``ZMQ_MAXMSGSIZE``): a frame announcing more is
+  refused before anything is allocated, during the CURVE handshake too.
+* The control socket gives an unauthenticated connection ``HANDSHAKE_IVL_MS`` to finish
+  its handshake, and a :class:`ConnectionGuard` keeps the number of connections within a
+  budget: each connection the listener accepts beyond it is shut down at once (listed
+  peers reconnect by themselves), so strangers cannot use up the descriptors.
+* The local API lives in a directory that must belong to this user and be writable by
+  nobody else; otherwise another user could replace the socket and hand an engine a
+  forged lease.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import stat
+from pathlib import Path
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+HANDSHAKE_IVL_MS = 2000
+STRANGERS = 64  # connections at once from addresses no listed host has
+
+
+class AgentError(RuntimeError):
+    """The agent cannot start as configured (one line naming what and why)."""
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft descriptor limit to the hard one; returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return int(soft) if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def check_resolvable(endpoint: str, field: str) -> None:
+    """A ``tcp://HOST:PORT`` whose host does not resolve is a one-line error, not a traceback."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host, _, port = endpoint[len("tcp://"):].rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    except (socket.gaierror, ValueError, UnicodeError) as e:
+        raise AgentError(f"{field}: cannot resolve {endpoint}: {e}") from None
+
+
+def private_api_dir(endpoint: str) -> None:
+    """Create the API socket's directory (0700), or refuse one that others could write to."""
+    if not endpoint.startswith("ipc://"):
+        return
+    path = Path(endpoint[len("ipc://"):])
+    d = path.parent
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.stat(d)
+    except OSError as e:
+        raise AgentError(f"api: cannot create {d}: {e.strerror}") from None
+    if st.st_uid != os.geteuid():
+        raise AgentError(f"api: {d} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}); refusing to use it")
+    if st.st_mode & 0o022:
+        raise AgentError(f"api: {d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                         f"make it 0700 or 0755")
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise AgentError(f"api: {d} is not writable")
+    with contextlib.suppress(FileNotFoundError):
+        sst = os.lstat(path)
+        if not stat.S_ISSOCK(sst.st_mode) or sst.st_uid != os.geteuid():
+            raise AgentError(f"api: {path} exists and is not this user's socket; refusing to replace it")
+        path.unlink()  # a stale socket from a killed predecessor
+
+
+def bind(sock: zmq.Socket, endpoint: str, field: str) -> None:
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise AgentError(f"{field}: cannot bind {endpoint}: {e}") from None
+
+
+def open_api(ctx: zmq.Context, endpoint: str, max_bytes: int) -> zmq.Socket:
+    private_api_dir(endpoint)
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    old = os.umask(0o077)  # the local API is for this host's own users only
+    try:
+        bind(sock, endpoint, "api")
+    finally:
+        os.umask(old)
+    return sock
+
+
+class ConnectionGuard:
+    """Watches the control socket's connections and sheds those beyond the budget.
+
+    Connections from addresses no listed host has ("strangers") share a small budget of
+    their own (:data:`STRANGERS`), so they cannot crowd out the peers' reconnections.
+    """
+
+    def __init__(self, sock: zmq.Socket, budget: int, listed_ips: set[str]) -> None:
+        self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.budget, self.listed_ips = budget, listed_ips
+        self.open: dict[int, bool] = {}  # fd -> a stranger's
+        self.shed = 0
+
+    def drain(self, limit: int = 4096) -> None:
+        for _ in range(limit):
+            if not int(self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
+            ev = parse_monitor_message(self.monitor.recv_multipart())
+            fd = int(ev["value"])
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.open.pop(fd, None)
+                continue
+            stranger = _peer_ip(fd) not in self.listed_ips
+            strangers = sum(self.open.values())
+            if len(self.open) >= self.budget or (stranger and strangers >= STRANGERS):
+                self._shed(fd)
+            else:
+                self.open[fd] = stranger
+
+    def _shed(self, fd: int) -> None:
+        # Our own descriptor for the same connection: shutting it down makes libzmq see
+        # the peer gone and close its own, freeing the descriptor.
+        with contextlib.suppress(OSError):
+            s = socket.socket(fileno=os.dup(fd))
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            finally:
+                s.close()
+            self.shed += 1
+
+    def close(self) -> None:
+        self.monitor.close(0)
+
+
+def _peer_ip(fd: int) -> str | None:
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        return str(s.getpeername()[0])
+    except (OSError, IndexError):
+        return None
+    finally:
+        s.close()
