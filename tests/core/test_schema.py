@@ -26,7 +26,7 @@ def test_fabric_dimensions_default_to_the_papers_when_some_are_given() -> None:
     ("table", "message"),
     [
         ({"preset": "paper", "leaves": 4}, "preset: give either a preset or leaves/spines/... , not both"),
-        ({"preset": "huge"}, "preset: must be one of paper; got 'huge'"),
+        ({"preset": "huge"}, "preset: must be one of paper, scale, clos3-small; got 'huge'"),
         ({"leaves": 0}, "leaves: must be >= 1, got 0"),
         ({"leaves": True}, "leaves: must be an integer or absent; got True"),
         ({"link_gbps": math.inf}, "link_gbps: must be <= 1000000000000000; got inf"),
@@ -36,6 +36,15 @@ def test_fabric_dimensions_default_to_the_papers_when_some_are_given() -> None:
         ({"prefill_leaves": [0, "x"]}, "prefill_leaves: must be an integer; got 'x' (item 2)"),
         ({"prefill_leaves": [5]}, "prefill_leaves: leaf 5 outside 0..1"),
         ({"spine": 4}, "spine: unknown key; accepted: preset, leaves, spines"),
+        ({"preset": "scale", "pods": 2}, "preset: give either a preset or leaves/spines/... , not both"),
+        ({"pods": 2, "spines": 4}, "pods: a 3-tier fabric takes pods/leaves_per_pod/aggs_per_pod/cores_per_plane/"),
+        ({"pods": 0}, "pods: must be 1..256, got 0"),
+        ({"pods": 2, "oversubscription": [2.0]}, "oversubscription: "),
+        ({"pods": 2, "oversubscription": [2.0, 0.0]}, "oversubscription"),
+        ({"pods": 2, "agg_hash": "md5"}, "agg_hash: must be one of murmur3-hpcc"),
+        ({"pods": 2, "agg_seed": -1}, "agg_seed: must be 0..4294967295, got -1"),
+        ({"agg_seed": 3}, "agg_hash: only a 3-tier fabric (pods = ...) has an aggregation tier"),
+        ({"pods": 2, "leaves_per_pod": 2, "prefill_leaves": [4]}, "prefill_leaves: leaf 4 outside 0..3"),
     ],
 )
 def test_fabric_table_errors_are_one_line_and_name_the_field(table: dict, message: str) -> None:

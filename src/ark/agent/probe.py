@@ -51,6 +51,54 @@ class ProbeResult:
     sent: int = 0
     unusable: list[int] = field(default_factory=list)  # could not bind (port in use)
     seconds: float = 0.0
+    ttl: int = 2
+
+
+@dataclass(frozen=True)
+class HopRouters:
+    """Routers of every upward ECMP hop of a deeper fabric (a 3-tier Clos).
+
+    A probe with TTL ``ttls[i]`` dies at a router of hop ``i``, whose address names the
+    path chosen so far: ``tables[i][address]`` is the path prefix (hop 0: the leaf's choice;
+    the last hop: the whole path). The path reads the members chosen at each hop as a
+    mixed-radix number (``members`` per hop), so every earlier answer must equal the
+    last answer's prefix; a port whose answers disagree maps to no path.
+    """
+
+    ttls: tuple[int, ...]
+    tables: tuple[dict[str, int], ...]
+    members: tuple[int, ...]
+
+    def path(self, answers: Sequence[str | None]) -> int | None:
+        if any(a is None for a in answers):
+            return None
+        prefixes = [t.get(a) for t, a in zip(self.tables, answers, strict=True) if a is not None]
+        if any(p is None for p in prefixes):
+            return None
+        final = int(prefixes[-1])  # type: ignore[arg-type]
+        below = 1
+        for i in range(len(prefixes) - 1, -1, -1):
+            if final // below != prefixes[i]:
+                return None
+            below *= self.members[i]
+        return final
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"hops": [{"ttl": t, "routers": r} for t, r in zip(self.ttls, self.tables, strict=True)],
+                "members": list(self.members)}
+
+    def for_paths(self, paths: int) -> HopRouters:
+        """The hops that choose between ``paths`` paths: a peer in the same pod is reached
+        after the first hop's choice alone (a deeper probe would die past the fabric)."""
+        n = 1
+        for h, m in enumerate(self.members):
+            n *= m
+            if n == paths:
+                return HopRouters(self.ttls[:h + 1], self.tables[:h + 1], self.members[:h + 1])
+        raise ProbeError(f"paths: {paths} is not a product of the first hops' members {list(self.members)}")
+
+
+Routers = Mapping[str, int] | HopRouters  # one hop (router address -> path, TTL 2), or several
 
 
 def _open(proto: str, src_ip: str, port: int, ttl: int) -> socket.socket | None:
@@ -103,7 +151,7 @@ def probe_ports(
         raise ProbeError(f"ttl: must be 1..255; got {ttl}")
     if not 0 <= dport <= 0xFFFF:
         raise ProbeError(f"dport: must be 0..65535; got {dport}")
-    res = ProbeResult(dst_ip, dport, proto)
+    res = ProbeResult(dst_ip, dport, proto, ttl=ttl)
     t0 = time.perf_counter()
     todo = [int(p) for p in ports]
     for _attempt in range(retries + 1):
@@ -173,7 +221,7 @@ def sample_ports(port_range: tuple[int, int], n: int, seed: int, exclude: Sequen
 
 def pathmap_from_probes(
     results: Sequence[ProbeResult],
-    routers: Mapping[str, int],
+    routers: Routers,
     *,
     src_ip: str,
     paths: int,
@@ -181,19 +229,19 @@ def pathmap_from_probes(
 ) -> tuple[PathMap, int]:
     """A (sampled) path map from probe answers, and the number of unknown offenders.
 
-    ``routers`` names the spine (path index) behind each router address.
+    ``routers`` names the spine (path index) behind each router address, or (a
+    :class:`HopRouters`) the path prefix behind each router of every hop: a port's path
+    then comes from its answers at every hop's TTL.
     """
     if not results:
         raise ProbeError("results: need at least one probe result")
     buckets: list[list[int]] = [[] for _ in range(paths)]
     unknown = 0
-    for r in results:
-        for port, off in r.offenders.items():
-            k = routers.get(off)
-            if k is None or not 0 <= k < paths:
-                unknown += 1
-                continue
-            buckets[k].append(port)
+    for port, k in _paths_of(results, routers).items():
+        if k is None or not 0 <= k < paths:
+            unknown += 1
+            continue
+        buckets[k].append(port)
     first = results[0]
     pm = PathMap(
         PROBED, 0, PROBED, src_ip, first.dst_ip, first.dport, port_range,
@@ -203,10 +251,21 @@ def pathmap_from_probes(
     return pm, unknown
 
 
+def _paths_of(results: Sequence[ProbeResult], routers: Routers) -> dict[int, int | None]:
+    """Path per answered port (None: an unknown router, or hops that disagree)."""
+    if not isinstance(routers, HopRouters):
+        return {port: routers.get(off) for r in results for port, off in r.offenders.items()}
+    answers: dict[int, dict[int, str]] = {}
+    for r in results:
+        for port, off in r.offenders.items():
+            answers.setdefault(port, {})[r.ttl] = off
+    return {port: routers.path([got.get(t) for t in routers.ttls]) for port, got in answers.items()}
+
+
 def learn(
     dst_ip: str,
     dport: int,
-    routers: Mapping[str, int],
+    routers: Routers,
     *,
     src_ip: str,
     paths: int,
@@ -219,6 +278,8 @@ def learn(
     exclude: Sequence[int] = (),
 ) -> tuple[PathMap, dict[str, float | int]]:
     """Probe until every path has ``min_per_path`` ports (or ``max_rounds`` samples), build the map."""
+    if isinstance(routers, HopRouters):
+        routers = routers.for_paths(paths)
     results: list[ProbeResult] = []
     tried: set[int] = set(exclude)
     pm: PathMap | None = None
@@ -229,7 +290,8 @@ def learn(
         if not ports:
             break
         tried.update(ports)
-        results.append(probe_ports(dst_ip, dport, ports, proto=proto, src_ip=src_ip))
+        for ttl in routers.ttls if isinstance(routers, HopRouters) else (2,):
+            results.append(probe_ports(dst_ip, dport, ports, proto=proto, src_ip=src_ip, ttl=ttl))
         pm, unknown = pathmap_from_probes(results, routers, src_ip=src_ip, paths=paths, port_range=port_range)
         # More rounds only for a path that answered but rarely. A path no probe of a full
         # round reached is gone (a failed link): with K paths and n probes the chance of
@@ -253,7 +315,7 @@ def probe_peers(
     cluster: Any,
     host: str,
     peers: Sequence[str] | None,
-    routers: Mapping[str, int],
+    routers: Routers,
     *,
     sample: int = 128,
     min_per_path: int = 4,
@@ -279,25 +341,35 @@ def probe_peers(
     return out
 
 
-def load_routers(path: str) -> dict[str, int]:
-    """A routers file: JSON object, router (spine) address -> path index."""
+def load_routers(path: str) -> Routers:
+    """A routers file: a JSON object, router (spine) address -> path index; or, for a fabric
+    with several upward ECMP hops, ``{"hops": [{"ttl": 2, "routers": {address: prefix}}, ...],
+    "members": [per hop]}`` (see :class:`HopRouters`)."""
     try:
         raw = json.loads(Path(path).read_text())
         if not isinstance(raw, dict):
             raise ValueError("not an object")
-        return {str(k): int(v) for k, v in raw.items()}
-    except (OSError, ValueError, TypeError) as e:
-        raise ProbeError(f"routers_file: {path} must be a JSON object of address -> path index ({e})") from None
+        if "hops" not in raw:
+            return {str(k): int(v) for k, v in raw.items()}
+        hops = raw["hops"]
+        members = tuple(int(m) for m in raw["members"])
+        if not hops or len(members) != len(hops) or any(m < 1 for m in members):
+            raise ValueError("hops and members must be non-empty lists of one length")
+        return HopRouters(tuple(int(h["ttl"]) for h in hops),
+                          tuple({str(k): int(v) for k, v in h["routers"].items()} for h in hops), members)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ProbeError(f"routers_file: {path} must be a JSON object of address -> path index, or "
+                         f"{{\"hops\": [...], \"members\": [...]}} ({e})") from None
 
 
-def _routers_for(cluster: Any, routers: Mapping[str, int] | None) -> Mapping[str, int]:
+def _routers_for(cluster: Any, routers: Routers | None) -> Routers:
     if cluster.routers_file is None or cluster.pathmap_dir is None:
         raise ProbeError("cluster.routers_file: needed (with pathmap_dir) to probe")
     return routers if routers is not None else load_routers(cluster.routers_file)
 
 
 def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None,
-            routers: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+            routers: Routers | None = None) -> dict[str, dict[str, Any]]:
     """Probe as the cluster file says and write the maps to its pathmap_dir.
 
     Default peers: those this host already has probed maps for, else every host behind
@@ -319,7 +391,7 @@ def refresh(cluster: Any, host: str, peers: Sequence[str] | None = None,
 
 
 def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0,
-          routers: Mapping[str, int] | None = None) -> tuple[list[str], int]:
+          routers: Routers | None = None) -> tuple[list[str], int]:
     """Re-probe a few known ports of every probed map; peers whose map no longer holds.
 
     Cheap enough to run every second: ``per_path`` ports per path and peer. A re-hash
@@ -340,9 +412,11 @@ def check(cluster: Any, host: str, per_path: int = 4, seed: int = 0,
             continue
         pm = PathMap.load(f)
         ports = [p for b in pm.buckets for p in rng.sample(b.tolist(), min(per_path, len(b)))]
-        res = probe_ports(fab.hosts[h.index].ip, s.dport, ports, proto=s.probe_proto,
-                          src_ip=fab.hosts[me].ip, retries=0)
-        sent += res.sent
-        if any(routers.get(off, -1) != pm.path_of(port) for port, off in res.offenders.items()):
+        hops = routers.for_paths(pm.paths) if isinstance(routers, HopRouters) else routers
+        results = [probe_ports(fab.hosts[h.index].ip, s.dport, ports, proto=s.probe_proto, src_ip=fab.hosts[me].ip,
+                               retries=0, ttl=ttl)
+                   for ttl in (hops.ttls if isinstance(hops, HopRouters) else (2,))]
+        sent += sum(r.sent for r in results)
+        if any(k != pm.path_of(port) for port, k in _paths_of(results, hops).items()):
             changed.append(h.name)
     return changed, sent

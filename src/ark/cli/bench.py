@@ -10,6 +10,7 @@ from rich.table import Table
 from ark.cli.common import jobs_default, out, qps_list, seeds_option
 from ark.core.hashing import HASH_MODELS
 from ark.sim import config as cfgmod
+from ark.sim.engine import SCHEMES
 
 
 @click.group()
@@ -64,6 +65,35 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
         f"(target: <= 20 s for the default sweep on 2 cores)"
     )
 
+
+@bench.command("scale")
+@click.option("--scheme", "schemes", multiple=True, type=click.Choice(list(SCHEMES)),
+              help="Repeat for several (default: ark).")
+@click.option("--requests", type=click.IntRange(min=1), default=100_000, show_default=True)
+@click.option("--qps", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Arrival rate (default: 1400, offered load about 0.76).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_scale(schemes: tuple[str, ...], requests: int, qps: float | None, as_json: bool) -> None:
+    """1,024 GPUs (the 3-tier `scale` fabric): wall time, events/s and peak memory per scheme."""
+    from ark.sim.bench import SCALE_QPS
+    from ark.sim.bench import scale as bench_sc
+
+    res = bench_sc(schemes or ("ark",), requests, SCALE_QPS if qps is None else qps)
+    if as_json:
+        click.echo(json.dumps(res[0] if len(res) == 1 else res, indent=1))
+        return
+    t = Table(title=f"{res[0]['gpus']} GPUs x {requests} requests at QPS {res[0]['qps']:g} "
+                    f"(offered load {res[0]['offered_load']:.2f}), one process per scheme")
+    for c in ("scheme", "wall s", "CPU s", "events", "events/s", "peak RSS MB", "mean FCT s", "mismatches",
+              "baseline s"):
+        t.add_column(c, justify="right")
+    for r in res:
+        t.add_row(r["scheme"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", str(r["events"]), f"{r['events_per_s']:.0f}",
+                  f"{r['peak_rss_mb']:.0f}", f"{r['fct_mean_s']:.3f}", str(r["path_mismatches"]),
+                  f"{r['baseline_s']:.2f}")
+    out.print(t)
+    out.print("targets: <= 300 s wall on 2 cores and <= 4096 MB peak per scheme; baseline = one paper-fabric "
+              "run (ECMP, QPS 25) measured just before, to read the figures against the machine's load")
 
 @bench.command("idle")
 @click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)

@@ -97,3 +97,27 @@ def spine_concurrency(timelines: dict[str, list[tuple[float, tuple[int, ...]]]],
     fig.savefig(path, dpi=150)
     plt.close(fig)
     return path
+
+
+def polarisation(rows: Sequence[dict[str, Any]], out: Path) -> Path:
+    """Mean and P95 FCT vs QPS: ECMP and ARK on a polarised and on a per-switch-seeded 3-tier fabric."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8), squeeze=False)
+    for ax, (metric, label) in zip(axes[0], (("fct_mean_s", "mean KV-transfer FCT (s)"),
+                                             ("fct_p95_s", "P95 KV-transfer FCT (s)")), strict=True):
+        for fabric, dash in (("seed per switch", "-"), ("polarised", ":")):
+            for scheme in ("ecmp", "ark"):
+                rs = sorted((r for r in rows if r["fabric"] == fabric and r["scheme"] == scheme), key=lambda r: r["qps"])
+                st = dict(STYLE[scheme])
+                st.update(linestyle=dash, label=f"{st['label']}, {fabric}")
+                ax.plot([r["qps"] for r in rs], [r[metric] for r in rs], linewidth=1.6, markersize=5, **st)
+        ax.set_xlabel("load (QPS)")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(frameon=False, fontsize=8)
+    fig.suptitle("3-tier Clos, 16 paths between pods: one hash and seed everywhere leaves 4 reachable")
+    fig.tight_layout()
+    path = out / "polarisation.png"
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path

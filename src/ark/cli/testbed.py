@@ -36,7 +36,7 @@ def _finite(v: Any) -> Any:
 
 @click.group()
 def testbed() -> None:
-    """A real spine-leaf fabric in network namespaces (root): up, run, down."""
+    """A real spine-leaf or 3-tier Clos fabric in network namespaces (root): up, run, down."""
 
 
 @testbed.command("up")
@@ -59,8 +59,10 @@ def tb_up(config_path: str | None, scale: float, hash_policy: str, queue_ms: flo
         click.echo(json.dumps(info))
     else:
         s = st.spec
-        out.print(f"testbed {prefix!r} up in {st.built_s:.2f} s: {len(st.namespaces)} namespaces, "
-                  f"{s.leaves} leaves x {s.spines} spines x {s.gpus_per_leaf} hosts, links "
+        shape = (f"{s.pods} pods x {s.leaves // s.pods} leaves x {s.gpus_per_leaf} hosts, {s.aggs_per_pod} aggregation "
+                 f"switches per pod, {s.spines} cores" if s.three_tier
+                 else f"{s.leaves} leaves x {s.spines} spines x {s.gpus_per_leaf} hosts")
+        out.print(f"testbed {prefix!r} up in {st.built_s:.2f} s: {len(st.namespaces)} namespaces, {shape}, links "
                   f"{s.link_gbps * s.scale * 1e3:g} Mbit/s, hash policy {s.hash_policy}; state in {st.dir}")
 
 

@@ -43,6 +43,8 @@ import numpy.typing as npt
 
 U32 = np.uint32
 UintArray = npt.NDArray[np.uint64]
+# One seed, or (seed per switch, switch per port): each port hashed under its switch's seed.
+Seeds = int | tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -160,14 +162,25 @@ class HashModel:
 
     def hash_ports(
         self,
-        seed: int,
+        seed: Seeds,
         src_ip: int,
         dst_ip: int,
         dport: int,
         sports: npt.ArrayLike,
         proto: int = 17,
     ) -> UintArray:
+        """Hash of every port of ``sports``; ``seed`` is one seed or one per port (the
+        switches of one tier hashing the ports each of them receives)."""
         raise NotImplementedError
+
+
+def _per_seed(seed: Seeds, fn: Callable[[int], int]) -> np.uint64 | UintArray:
+    """``fn`` of one seed, or of every port's seed (computed once per distinct seed)."""
+    if isinstance(seed, int):
+        return np.uint64(fn(seed))
+    per_switch, which = seed
+    out: UintArray = np.asarray([fn(int(s)) for s in per_switch], dtype=np.uint64)[which]
+    return out
 
 
 class Murmur3Hpcc(HashModel):
@@ -185,9 +198,22 @@ class Murmur3Hpcc(HashModel):
     ) -> int:
         return murmur3_32(self.key(seed, src_ip, dst_ip, proto, sport, dport), seed)
 
+    @staticmethod
+    def _prefix(seed: int, src_ip: int, dst_ip: int) -> int:
+        """The state after the first two blocks, which do not depend on the port."""
+        h0 = seed & _M32
+        for k in (src_ip, dst_ip):
+            k = (k * _C1) & _M32
+            k = ((k << 15) | (k >> 17)) & _M32
+            k = (k * _C2) & _M32
+            hs = h0 ^ k
+            hs = ((hs << 13) | (hs >> 19)) & _M32
+            h0 = (hs * 5 + 0xE6546B64) & _M32
+        return h0
+
     def hash_ports(
         self,
-        seed: int,
+        seed: Seeds,
         src_ip: int,
         dst_ip: int,
         dport: int,
@@ -195,16 +221,8 @@ class Murmur3Hpcc(HashModel):
         proto: int = 17,
     ) -> UintArray:
         sp = np.asarray(sports, dtype=np.uint32)
+        h0 = _per_seed(seed, lambda s: self._prefix(s, src_ip, dst_ip)).astype(np.uint32)
         with np.errstate(over="ignore"):
-            h0 = U32(seed & _M32)
-            # The first two blocks do not depend on the port: fold them once.
-            for k in (src_ip, dst_ip):
-                k = (k * _C1) & _M32
-                k = ((k << 15) | (k >> 17)) & _M32
-                k = (k * _C2) & _M32
-                hs = int(h0) ^ k
-                hs = ((hs << 13) | (hs >> 19)) & _M32
-                h0 = U32((hs * 5 + 0xE6546B64) & _M32)
             k2 = sp | U32((dport << 16) & _M32)
             k2 = k2 * U32(_C1)
             k2 = (k2 << U32(15)) | (k2 >> U32(17))
@@ -238,7 +256,7 @@ class LinearHash(HashModel):
 
     def hash_ports(
         self,
-        seed: int,
+        seed: Seeds,
         src_ip: int,
         dst_ip: int,
         dport: int,
@@ -246,7 +264,8 @@ class LinearHash(HashModel):
         proto: int = 17,
     ) -> UintArray:
         sp = np.asarray(sports, dtype=np.int64)
-        base_key = bytearray(self.key(seed, src_ip, dst_ip, proto, 0, dport))
+        one = seed if isinstance(seed, int) else int(seed[0][0])
+        base_key = bytearray(self.key(one, src_ip, dst_ip, proto, 0, dport))
         base = self._fn(bytes(base_key))
         # delta[i] = h(only bit i of the port set) ^ h(port 0): the linear part.
         deltas = []
@@ -261,7 +280,11 @@ class LinearHash(HashModel):
             bit = (idx >> i) & 1 == 1
             t_lo[bit] ^= np.uint64(deltas[i])
             t_hi[bit] ^= np.uint64(deltas[i + 8])
-        out: UintArray = np.uint64(base) ^ t_hi[sp >> 8] ^ t_lo[sp & 0xFF]
+        # The delta of a port bit is the same whatever the seed (the hash is affine), so
+        # only the port-0 hash depends on it.
+        bases = np.uint64(base) if isinstance(seed, int) else _per_seed(
+            seed, lambda s: self._fn(self.key(s, src_ip, dst_ip, proto, 0, dport)))
+        out: UintArray = bases ^ t_hi[sp >> 8] ^ t_lo[sp & 0xFF]
         return out
 
 

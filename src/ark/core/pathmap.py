@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from ark.core.hashing import hash_model, select_many
-from ark.core.topology import Fabric
+from ark.core.hashing import Seeds, hash_model, select, select_many
+from ark.core.topology import EcmpHop, Fabric
 
 ROCE_PORT_RANGE = (0xC000, 0xFFFF)  # ports a RoCEv2 GRH flow label can produce
 FULL_PORT_RANGE = (0, 0xFFFF)
@@ -74,6 +74,8 @@ class PathMap:
 
     def __post_init__(self) -> None:
         lo, hi = self.port_range
+        if len(self._lookup) == hi - lo + 1:  # given by the builder, which knows it already
+            return
         lut = np.full(hi - lo + 1, -1, dtype=np.int16)
         for k, ports in enumerate(self.buckets):
             lut[ports - lo] = k
@@ -201,18 +203,21 @@ def compute_buckets(
     lo, hi = port_range
     ports = np.arange(lo, hi + 1, dtype=np.int64)
     member = select_many(model.hash_ports(seed, s, d, dport, ports, proto), paths, selection, model.bits)
-    buckets = tuple(ports[member == k] for k in range(paths))
-    return PathMap(
-        hash_name,
-        seed,
-        selection,
-        str(ipaddress.IPv4Address(s)),
-        str(ipaddress.IPv4Address(d)),
-        dport,
-        port_range,
-        buckets,
-        proto,
-    )
+    return _from_paths(hash_name, seed, selection, s, d, dport, ports, member, paths, proto)
+
+
+def _from_paths(
+    hash_name: str, seed: int, selection: str, s: int, d: int, dport: int,
+    ports: npt.NDArray[np.int64], path: npt.NDArray[np.int64], paths: int, proto: int,
+) -> PathMap:
+    """The map of a contiguous port range from each port's path."""
+    lut = path.astype(np.int16)
+    ordered = ports[np.argsort(lut, kind="stable")]  # stable: every bucket stays sorted
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(lut, minlength=paths)))).tolist()
+    buckets = tuple(ordered[bounds[k]:bounds[k + 1]] for k in range(paths))
+    rng = (int(ports[0]), int(ports[-1]))
+    return PathMap(hash_name, seed, selection, str(ipaddress.IPv4Address(s)), str(ipaddress.IPv4Address(d)),
+                   dport, rng, buckets, proto, lut)
 
 
 def fabric_pathmap(
@@ -223,23 +228,59 @@ def fabric_pathmap(
     port_range: tuple[int, int] = ROCE_PORT_RANGE,
     proto: int = 17,
 ) -> PathMap:
-    """The path map for host ``src`` -> host ``dst`` over ``fabric``.
+    """The path map for host ``src`` -> host ``dst`` over ``fabric``, inverting the hash
+    at every ECMP decision point.
 
-    In a 2-tier Clos only the source leaf has a choice (spine ``k`` = path ``k``); the
-    spine has one link down to the destination leaf.
+    In a 2-tier Clos only the source leaf has a choice (spine ``k`` = path ``k``). In a
+    3-tier Clos the leaf picks an aggregation switch and that switch a core: every port is
+    hashed by the leaf, then by the aggregation switch the leaf sent it to, each with its
+    own model, seed and selection, and the path is the members read as a mixed-radix
+    number (:meth:`~ark.core.topology.Fabric.ecmp_hops`).
     """
-    sw = fabric.source_switch(src)
-    return compute_buckets(
-        sw.hash,
-        sw.seed,
-        fabric.hosts[src].ip,
-        fabric.hosts[dst].ip,
-        dport,
-        fabric.n_paths(src, dst),
-        port_range,
-        sw.selection,
-        proto,
-    )
+    hops = fabric.ecmp_hops(src, dst)
+    first = fabric.source_switch(src)
+    if len(hops) <= 1:
+        return compute_buckets(first.hash, first.seed, fabric.hosts[src].ip, fabric.hosts[dst].ip, dport,
+                               fabric.n_paths(src, dst), port_range, first.selection, proto)
+    check_port_range(port_range)
+    if not 0 <= dport <= 0xFFFF:
+        raise PathMapError(f"dport: must be 0..65535, got {dport}")
+    s_ip, d_ip = fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int
+    lo, hi = port_range
+    ports = np.arange(lo, hi + 1, dtype=np.int64)
+    path = np.zeros(len(ports), dtype=np.int64)
+    for hop in hops:
+        path = path * hop.members + _hop_members(hop, path, s_ip, d_ip, dport, ports, proto)
+    return _from_paths(first.hash, first.seed, first.selection, s_ip, d_ip, dport, ports, path,
+                       fabric.n_paths(src, dst), proto)
+
+
+def _hop_members(
+    hop: EcmpHop, prefix: npt.NDArray[np.int64], s_ip: int, d_ip: int, dport: int,
+    ports: npt.NDArray[np.int64], proto: int,
+) -> npt.NDArray[np.int64]:
+    """The member each port's switch at this hop picks; the switch is ``hop.switches[prefix]``.
+
+    Switches sharing a hash model and selection are hashed in one vectorised pass, each
+    port under its own switch's seed.
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, sw in enumerate(hop.switches):
+        groups.setdefault((sw.hash, sw.selection), []).append(i)
+    seeds = np.asarray([sw.seed for sw in hop.switches], dtype=np.int64)
+    if len(groups) == 1:  # the usual case: one model and selection per tier
+        ((name, selection),) = groups
+        model = hash_model(name)
+        seed: Seeds = int(seeds[0]) if len(hop.switches) == 1 else (seeds, prefix)
+        return select_many(model.hash_ports(seed, s_ip, d_ip, dport, ports, proto), hop.members, selection,
+                           model.bits)
+    member = np.empty(len(ports), dtype=np.int64)
+    for (name, selection), members in groups.items():
+        sel = np.isin(prefix, members)
+        model = hash_model(name)
+        member[sel] = select_many(model.hash_ports((seeds, prefix[sel]), s_ip, d_ip, dport, ports[sel], proto),
+                                  hop.members, selection, model.bits)
+    return member
 
 
 def pathmap_filename(src: str, dst: str, dport: int) -> str:
@@ -252,14 +293,21 @@ class PathMapCache:
 
     With ``directory``, a map saved there (``ark pathmap --save`` or learnt by probing)
     wins over the fabric's hash model; :meth:`clear` makes the next lookup read the
-    files again (after a refresh rewrote them).
+    files again (after a refresh rewrote them). With ``capacity``, only that many maps
+    stay, the least recently used going first (a simulation of a thousand hosts touches
+    far more pairs than it can keep; a map is a function of the fabric, so computing it
+    again gives the same map).
     """
 
     def __init__(
-        self, fabric: Fabric, port_range: tuple[int, int] = ROCE_PORT_RANGE, directory: str | Path | None = None
+        self, fabric: Fabric, port_range: tuple[int, int] = ROCE_PORT_RANGE, directory: str | Path | None = None,
+        capacity: int | None = None,
     ) -> None:
+        if capacity is not None and capacity < 1:
+            raise PathMapError(f"capacity: must be >= 1 or None; got {capacity}")
         self.fabric, self.port_range = fabric, port_range
         self.directory = None if directory is None else Path(directory)
+        self.capacity = capacity
         self._maps: dict[tuple[int, int, int], PathMap] = {}
 
     def file_for(self, src: int, dst: int, dport: int) -> Path | None:
@@ -278,9 +326,14 @@ class PathMapCache:
 
     def __call__(self, src: int, dst: int, dport: int) -> PathMap:
         key = (src, dst, dport)
-        m = self._maps.get(key)
+        maps = self._maps
+        m = maps.get(key)
         if m is None:
-            m = self._maps[key] = self._load(src, dst, dport)
+            m = maps[key] = self._load(src, dst, dport)
+            if self.capacity is not None and len(maps) > self.capacity:
+                del maps[next(iter(maps))]  # the least recently used
+        elif self.capacity is not None:
+            maps[key] = maps.pop(key)
         return m
 
     def peek(self, src: int, dst: int, dport: int) -> PathMap:
@@ -300,16 +353,16 @@ class PathMapCache:
 
 
 def switch_path(fabric: Fabric, src: int, dst: int, sport: int, dport: int, proto: int = 17) -> int:
-    """The path the simulated switch picks for one packet, hashing its exact key bytes."""
-    from ark.core.hashing import select
-
-    n = fabric.n_paths(src, dst)
-    if n == 1:
-        return 0
-    sw = fabric.source_switch(src)
-    model = hash_model(sw.hash)
-    h = model.hash_one(sw.seed, fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int, sport, dport, proto)
-    return select(h, n, sw.selection, model.bits)
+    """The path the simulated switches pick for one packet, each hashing its exact key
+    bytes at its own ECMP decision, hop by hop."""
+    path = 0
+    s_ip, d_ip = fabric.hosts[src].ip_int, fabric.hosts[dst].ip_int
+    for hop in fabric.ecmp_hops(src, dst):
+        sw = hop.switches[path] if len(hop.switches) > 1 else hop.switches[0]
+        model = hash_model(sw.hash)
+        h = model.hash_one(sw.seed, s_ip, d_ip, sport, dport, proto)
+        path = path * hop.members + select(h, hop.members, sw.selection, model.bits)
+    return path
 
 
 class PortBuckets:
@@ -322,16 +375,34 @@ class PortBuckets:
 
     def __init__(self, pathmap: PathMap) -> None:
         self.map = pathmap
-        self._lists: list[list[int]] = [b.tolist() for b in pathmap.buckets]  # list indexing beats numpy's
+        # A path's ports as a list (list indexing beats numpy's), made when first needed.
+        self._lists: list[list[int] | None] = [None] * pathmap.paths
         self._cursor = [0] * pathmap.paths
         self.in_use: set[int] = set()
         # Bit k set: some source port reaches path k.
-        self.usable_mask = sum(1 << k for k, b in enumerate(self._lists) if b)
+        self.usable_mask = sum(1 << k for k, b in enumerate(pathmap.buckets) if len(b))
+
+    def _list(self, path: int) -> list[int]:
+        lst = self._lists[path]
+        if lst is None:
+            lst = self._lists[path] = self.map.buckets[path].tolist()
+        return lst
+
+    @property
+    def cursors(self) -> tuple[int, ...]:
+        """Where each path's round-robin walk stands (all a bucket with no port in use holds)."""
+        return tuple(self._cursor)
+
+    @cursors.setter
+    def cursors(self, value: tuple[int, ...]) -> None:
+        if len(value) != self.map.paths:
+            raise PathMapError(f"cursors: need {self.map.paths}, got {len(value)}")
+        self._cursor = list(value)
 
     def take(self, path: int) -> int:
         port = self.try_take(path)
         if port is None:
-            n = len(self._lists[path])
+            n = len(self.map.buckets[path])
             if n == 0:
                 raise PathMapError(f"path {path}: no source port in range maps to it")
             raise PathMapError(f"path {path}: all {n} source ports are in use")
@@ -339,7 +410,7 @@ class PortBuckets:
 
     def try_take(self, path: int) -> int | None:
         """A free port of ``path`` (marked in use), or None when there is none."""
-        bucket = self._lists[path]
+        bucket = self._list(path)
         n = len(bucket)
         c = self._cursor[path]
         for i in range(n):

@@ -1,9 +1,18 @@
 """Fabric descriptions: hosts, switches and directed links of a 2-tier spine-leaf.
 
 A :class:`Fabric` only *describes* a network (like mininet's ``Topo``); the fluid
-simulator, the namespace testbed and a real cluster file each realise it.
+simulator, the namespace testbed and a real cluster file each realise it. The 3-tier
+Clos (pods of leaves and aggregation switches under a core layer) is
+:class:`ark.core.clos.ClosFabric`, a subclass with the same interface.
 
-Link numbering is fixed so that every realisation agrees on link ids:
+What every consumer uses, whatever the depth:
+
+* :meth:`Fabric.stages`: the reservable links of every equal-cost path, per hop stage;
+* :meth:`Fabric.ecmp_hops`: the switches that choose between those paths, hop by hop
+  (path maps invert the hash at each of them);
+* :meth:`Fabric.top_switch`: the top-tier switch a path crosses (spine, or core).
+
+Link numbering of the 2-tier fabric is fixed so that every realisation agrees on link ids:
 
 * ``0 .. H-1``            host ``h`` -> its leaf (NIC transmit)
 * ``H .. 2H-1``           leaf -> host ``h`` (NIC receive)
@@ -56,13 +65,22 @@ class Host:
 
 @dataclass(frozen=True)
 class Switch:
-    kind: str  # "leaf" or "spine"
+    kind: str  # "leaf", "spine", "agg" or "core"
     index: int
     name: str
     node_id: int
     hash: str
     seed: int
     selection: str
+
+
+@dataclass(frozen=True)
+class EcmpHop:
+    """One upward ECMP decision: ``switches[i]`` decides when the previous hops' members
+    read ``i`` (mixed radix); each picks one of ``members`` next hops."""
+
+    switches: tuple[Switch, ...]
+    members: int
 
 
 @dataclass(frozen=True)
@@ -169,6 +187,41 @@ class Fabric:
         """The switch whose ECMP decision picks the path for flows leaving ``src``."""
         return self.leaves[self.hosts[src].leaf]
 
+    def ecmp_hops(self, src: int, dst: int) -> tuple[EcmpHop, ...]:
+        """The ECMP decisions a packet from ``src`` to ``dst`` meets, upward hop by hop.
+
+        Path index = the members chosen, read as a mixed-radix number (first hop most
+        significant). Here only the source leaf chooses: member ``k`` is spine ``k``.
+        """
+        if self.n_paths(src, dst) == 1:
+            return ()
+        return (EcmpHop((self.source_switch(src),), self.n_spines),)
+
+    def top_switch(self, src: int, dst: int, path: int) -> int | None:
+        """The top-tier switch (here a spine) that ``path`` crosses; None if it crosses none."""
+        return None if self.n_paths(src, dst) == 1 else path
+
+    @property
+    def tiers(self) -> int:
+        return 2
+
+    @property
+    def top_kind(self) -> str:
+        """What the top tier's switches are called."""
+        return "spine"
+
+    def leaf_of(self, host: int) -> int:
+        return self.hosts[host].leaf
+
+    def uplink_bps(self, leaf: int) -> float:
+        """Line rate out of ``leaf`` towards the upper tier (all its uplinks)."""
+        return self.link_bps * self.n_spines
+
+    def oversubscription(self) -> tuple[float, ...]:
+        """Per tier, bandwidth from below over bandwidth upward (leaf tier only here)."""
+        per_leaf = [h.nic_bps for h in self.hosts if h.leaf == 0]
+        return (sum(per_leaf) / self.uplink_bps(0),)
+
 
 def spine_leaf(
     *,
@@ -194,22 +247,12 @@ def spine_leaf(
     half of the leaves and decode GPUs on the rest (the paper: leaf 0 / leaf 1).
     """
     _check_dimensions(leaves, spines, gpus_per_leaf, link_gbps, nic_gbps)
-    _check_hashing(hash, seed, selection, transport)
+    check_hashing(hash, seed, selection, transport)
     if prefill_leaves is None:
         prefill_leaves = tuple(range(max(1, leaves // 2)))
     if decode_leaves is None:
         decode_leaves = tuple(range(leaves // 2, leaves)) if leaves > 1 else (0,)
-    for name, group in (("prefill_leaves", prefill_leaves), ("decode_leaves", decode_leaves)):
-        for leaf in group:
-            if not 0 <= leaf < leaves:
-                raise TopologyError(f"fabric.{name}: leaf {leaf} outside 0..{leaves - 1}")
-    try:
-        net = ipaddress.IPv4Network(subnet)
-    except ValueError as e:
-        raise TopologyError(f"fabric.subnet: not an IPv4 network: {subnet!r}") from e
-    if net.num_addresses < leaves * 256:
-        raise TopologyError(f"fabric.subnet: {subnet} too small for {leaves} leaves")
-    hosts = _hosts(net, leaves, gpus_per_leaf, nic_gbps * 1e9, prefill_leaves, decode_leaves)
+    hosts = place_hosts(subnet, leaves, gpus_per_leaf, nic_gbps, prefill_leaves, decode_leaves)
     nid = len(hosts)
     leaf_sw = tuple(
         Switch("leaf", a, f"leaf{a}", nid + a, hash, nid + a if seed is None else seed, selection)
@@ -237,23 +280,43 @@ def _check_dimensions(leaves: int, spines: int, gpus_per_leaf: int, link_gbps: f
         raise TopologyError(f"fabric.nic_gbps: must be > 0, got {nic_gbps}")
 
 
-def _check_hashing(hash: str, seed: int | None, selection: str, transport: str) -> None:
+def check_hashing(hash: str, seed: int | None, selection: str, transport: str, prefix: str = "fabric.") -> None:
+    """Hash model, seed and selection of a tier (``prefix`` names its config keys)."""
     from ark.core.hashing import HASH_MODELS  # local import: hashing does not need topology
 
     if hash not in HASH_MODELS:
-        raise TopologyError(f"fabric.hash: must be one of {', '.join(HASH_MODELS)}; got {hash!r}")
+        raise TopologyError(f"{prefix}hash: must be one of {', '.join(HASH_MODELS)}; got {hash!r}")
     if selection not in HASH_SELECTIONS:
-        raise TopologyError(f"fabric.selection: must be one of {', '.join(HASH_SELECTIONS)}; got {selection!r}")
+        raise TopologyError(f"{prefix}selection: must be one of {', '.join(HASH_SELECTIONS)}; got {selection!r}")
     if transport not in TRANSPORTS:
         raise TopologyError(f"fabric.transport: must be one of {', '.join(TRANSPORTS)}; got {transport!r}")
     if seed is not None and not 0 <= seed < 2**32:
-        raise TopologyError(f"fabric.seed: must be 0..4294967295, got {seed}")
+        raise TopologyError(f"{prefix}seed: must be 0..4294967295, got {seed}")
 
 
-def _hosts(
+def place_hosts(
+    subnet: str, leaves: int, per_leaf: int, nic_gbps: float,
+    prefill_leaves: tuple[int, ...], decode_leaves: tuple[int, ...],
+) -> tuple[Host, ...]:
+    """Check the role groups and the subnet, then put ``per_leaf`` hosts on each leaf."""
+    for name, group in (("prefill_leaves", prefill_leaves), ("decode_leaves", decode_leaves)):
+        for leaf in group:
+            if not 0 <= leaf < leaves:
+                raise TopologyError(f"fabric.{name}: leaf {leaf} outside 0..{leaves - 1}")
+    try:
+        net = ipaddress.IPv4Network(subnet)
+    except ValueError as e:
+        raise TopologyError(f"fabric.subnet: not an IPv4 network: {subnet!r}") from e
+    if net.num_addresses < leaves * 256:
+        raise TopologyError(f"fabric.subnet: {subnet} too small for {leaves} leaves")
+    return hosts_on_leaves(net, leaves, per_leaf, nic_gbps * 1e9, prefill_leaves, decode_leaves)
+
+
+def hosts_on_leaves(
     net: ipaddress.IPv4Network, leaves: int, per_leaf: int, nic_bps: float,
     prefill_leaves: tuple[int, ...], decode_leaves: tuple[int, ...],
 ) -> tuple[Host, ...]:
+    """``per_leaf`` hosts on each leaf: host ``i`` of leaf ``a`` is ``<net> + a*256 + i + 1``."""
     hosts = []
     for a in range(leaves):
         for i in range(per_leaf):
@@ -289,8 +352,20 @@ PRESETS = {
 }
 
 
+def preset_names() -> tuple[str, ...]:
+    """Every named fabric: the 2-tier ones here and the 3-tier ones of :mod:`ark.core.clos`."""
+    from ark.core.clos import CLOS_PRESETS
+
+    return (*PRESETS, *CLOS_PRESETS)
+
+
 def preset(name: str) -> Fabric:
-    """A named fabric; ``paper`` is the published 2-leaf, 4-spine, 16-GPU fabric."""
+    """A named fabric; ``paper`` is the published 2-leaf, 4-spine, 16-GPU fabric, ``scale``
+    the 1,024-GPU 3-tier Clos (see :mod:`ark.core.clos`)."""
+    from ark.core.clos import CLOS_PRESETS, clos_preset
+
+    if name in CLOS_PRESETS:
+        return clos_preset(name)
     if name not in PRESETS:
-        raise TopologyError(f"fabric.preset: must be one of {', '.join(PRESETS)}; got {name!r}")
+        raise TopologyError(f"fabric.preset: must be one of {', '.join(preset_names())}; got {name!r}")
     return spine_leaf(**PRESETS[name])  # type: ignore[arg-type]

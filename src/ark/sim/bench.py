@@ -99,6 +99,75 @@ def controller(hash_name: str = "murmur3-hpcc", repeat: int = 7) -> dict[str, An
     }
 
 
+SCALE_QPS = 1400.0  # offered load about 0.76 of the prefill leaves' uplinks on the scale fabric
+
+
+def scale_config(requests: int = 100_000, qps: float = SCALE_QPS) -> ExperimentConfig:
+    """The scale benchmark: the 1,024-GPU 3-tier ``scale`` fabric (8 pods x 4 leaves x 32 GPUs,
+    2:1 at the leaves), prefill and decode pools on every pod, each request's GPUs drawn at
+    random (a global scheduler), Poisson arrivals."""
+    from ark.sim.config import from_dict
+
+    return from_dict({
+        "fabric": {"preset": "scale"},
+        "workload": {"requests": requests, "qps": [qps]},
+        "serving": {"placement": "random"},
+        "experiment": {"seeds": [0]},
+    })
+
+
+def _scale_run(args: tuple[ExperimentConfig, str]) -> dict[str, Any]:
+    """One run in a fresh worker process: wall time, events and the process's peak memory."""
+    import resource
+
+    from ark.sim.experiment import RunSpec, run_one
+
+    cfg, scheme = args
+    t, cpu = time.perf_counter(), time.process_time()
+    rec = run_one(cfg, RunSpec(scheme, cfg.workload.qps_list[0], cfg.seeds[0])).record
+    wall = time.perf_counter() - t
+    return {
+        "wall_s": wall,
+        "cpu_s": time.process_time() - cpu,  # this process's CPU: the wall time it would take alone
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "events": rec["events"],
+        "events_per_s": rec["events"] / wall if wall > 0 else 0.0,
+        "offered_load": rec["offered_load"],
+        "fct_mean_s": rec["fct_mean_s"],
+        "fct_p95_s": rec["fct_p95_s"],
+        "path_mismatches": rec["path_mismatches"],
+        "fallbacks": rec["fallbacks"],
+        "races": rec["races"],
+    }
+
+
+def _baseline_s() -> float:
+    """Wall time of one fixed small run (paper fabric, ECMP, QPS 25, 1,000 requests): the
+    machine's speed at the moment, to read the scale figures against."""
+    from ark.sim.config import default
+    from ark.sim.experiment import RunSpec, run_one
+
+    t = time.perf_counter()
+    run_one(default(), RunSpec("ecmp", 25.0, 0))
+    return time.perf_counter() - t
+
+
+def scale(schemes: tuple[str, ...], requests: int = 100_000, qps: float = SCALE_QPS) -> list[dict[str, Any]]:
+    """Each scheme of the scale benchmark in its own fresh process, one after the other."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    cfg = scale_config(requests, qps)
+    gpus = cfg.fabric.build().n_hosts
+    out = []
+    for scheme in schemes:
+        base = _baseline_s()
+        with ProcessPoolExecutor(max_workers=1) as ex:
+            res = ex.submit(_scale_run, (cfg, scheme)).result()
+        out.append({"gpus": gpus, "requests": requests, "scheme": scheme, "qps": qps, **res,
+                     "cpus": os.cpu_count(), "baseline_s": base})
+    return out
+
+
 def reproduce(cfg: ExperimentConfig, jobs: int) -> dict[str, Any]:
     """Wall time and simulator events per second of a whole sweep."""
     from ark.sim.experiment import plan, run_sweep

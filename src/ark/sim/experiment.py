@@ -22,7 +22,7 @@ from ark.core.flows import FlowSpec
 from ark.core.pathmap import PathMapCache
 from ark.core.topology import Fabric
 from ark.sim.config import ExperimentConfig
-from ark.sim.engine import FluidSim
+from ark.sim.engine import MAP_CACHE, FluidSim
 from ark.sim.serving import Placed
 from ark.sim.workload import Request, ZipfWorkload, load_trace
 
@@ -55,7 +55,7 @@ def _pathmaps(fabric: Fabric, port_range: tuple[int, int]) -> PathMapCache:
     key = (fabric, port_range)
     c = _PATHMAPS.get(key)
     if c is None:
-        c = _PATHMAPS[key] = PathMapCache(fabric, port_range)
+        c = _PATHMAPS[key] = PathMapCache(fabric, port_range, capacity=MAP_CACHE)
     return c
 
 
@@ -87,11 +87,13 @@ def place(cfg: ExperimentConfig, fabric: Fabric, qps: float, seed: int) -> list[
 
 def offered_load(fabric: Fabric, placed: Sequence[Placed], qps: float) -> float:
     """Nominal offered load: KV bytes per second that cross leaves, over the prefill leaves'
-    uplink capacity (QPS x mean KV bytes x 8 x cross-leaf share / (link rate x spines x leaves))."""
+    uplink capacity (QPS x mean KV bytes x 8 x cross-leaf share / (uplink rate x leaves));
+    2-tier: the uplink rate of a leaf is link rate x spines."""
     mean_bytes = float(np.mean([p.kv_bytes for p in placed]))
     cross = sum(fabric.n_paths(p.prefill_gpu, p.decode_gpu) > 1 for p in placed) / len(placed)
-    leaves_up = len({fabric.hosts[p.prefill_gpu].leaf for p in placed})
-    return qps * mean_bytes * 8 * cross / (fabric.link_bps * fabric.n_spines * max(1, leaves_up))
+    leaves_up = {fabric.hosts[p.prefill_gpu].leaf for p in placed}
+    up_bps = sum(fabric.uplink_bps(a) for a in leaves_up) / len(leaves_up)
+    return qps * mean_bytes * 8 * cross / (up_bps * max(1, len(leaves_up)))
 
 
 def _pct(a: np.ndarray, q: float) -> float:

@@ -1,4 +1,5 @@
-"""Spine counters: which spine each TCP connection's payload bytes actually crossed.
+"""Spine counters: which spine each TCP connection's payload bytes actually crossed (3-tier:
+which aggregation switches and which core).
 
 ``python -m ark.testbed.capture STATE_DIR OUT READY`` counts in its own process until
 SIGTERM (capture threads would starve the experiment of the GIL) and writes OUT.
@@ -56,15 +57,17 @@ class SpineCounters:
         import mmap
 
         self.st = st
-        self.bytes: list[dict[tuple[str, int, str, int], list[Interval]]] = [{} for _ in range(st.spec.spines)]
+        # One table per counted switch (spines; 3-tier: aggregation switches, then cores).
+        switches = st.layout.counted()
+        self.bytes: list[dict[tuple[str, int, str, int], list[Interval]]] = [{} for _ in switches]
         self.drops = 0
         self.packets = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._socks: list[socket.socket] = []
         self._rings: list[mmap.mmap] = []
-        for k in range(st.spec.spines if open_sockets else 0):
-            with netns.inside(st.layout.spine_ns(k)):
+        for ns in switches if open_sockets else []:
+            with netns.inside(ns):
                 s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
             s.setsockopt(_SOL_PACKET, _PACKET_VERSION, _TPACKET_V2)
             frames = _BLOCK // _FRAME * _BLOCKS
@@ -135,7 +138,8 @@ class SpineCounters:
 
     def spines_of(self, key: tuple[str, int, str, int], t0: float = -math.inf, t1: float = math.inf,
                   slack_s: float = 0.005) -> dict[int, int]:
-        """Spine -> payload bytes of one 4-tuple that passed between wall times ``t0`` and ``t1``."""
+        """Switch -> payload bytes of one 4-tuple that passed between wall times ``t0`` and ``t1``
+        (switches numbered as :meth:`ark.testbed.fabric.Layout.counted` lists them)."""
         out = {}
         for k, c in enumerate(self.bytes):
             total = sum(int(b) for a, z, b in c.get(key, ()) if z >= t0 - slack_s and a <= t1 + slack_s)

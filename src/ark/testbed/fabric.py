@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ark.core.clos import ClosFabric, clos3
 from ark.core.topology import Fabric, spine_leaf
 from ark.testbed import netns as netns
 
@@ -44,6 +45,7 @@ _HASH_FIELDS = 0x0001 | 0x0002 | 0x0004 | 0x0010 | 0x0020  # src ip, dst ip, pro
 DEFAULT_STATE_DIR = "/run/ark-testbed"
 MGMT_NET = ipaddress.IPv4Network("100.64.0.0/16")
 CONTROL_PORT = 7100
+_RANDOM = random.SystemRandom()  # hash keys the experimenter does not know
 
 
 class TestbedError(RuntimeError):
@@ -65,6 +67,16 @@ class TestbedSpec:
     queue_ms: float = 20.0  # tbf queue per link, in time at the scaled rate
     dport: int = 5201
     port_range: tuple[int, int] = (20000, 29999)  # source ports ARK probes and hands out
+    # 3-tier Clos (pods > 0): ``leaves`` counts every leaf, ``spines`` the core switches,
+    # ``link_gbps`` is the leaf-aggregation rate and ``core_link_gbps`` the aggregation-core rate.
+    pods: int = 0
+    aggs_per_pod: int = 0
+    cores_per_plane: int = 0
+    core_link_gbps: float = 0.0
+
+    @property
+    def three_tier(self) -> bool:
+        return self.pods > 0
 
     def check(self) -> None:
         if self.hash_policy not in HASH_POLICIES:
@@ -82,23 +94,39 @@ class TestbedSpec:
         lo, hi = self.port_range
         if not 1024 <= lo <= hi <= 32767:
             raise TestbedError(f"port_range: must lie in 1024-32767 (below the ephemeral range); got {lo}-{hi}")
+        if self.three_tier and (self.pods > 16 or self.aggs_per_pod > 16 or self.cores_per_plane > 16
+                                or self.leaves % self.pods or self.aggs_per_pod * self.cores_per_plane != self.spines):
+            raise TestbedError("fabric: a 3-tier testbed takes at most 16 pods, 16 aggregation switches per pod "
+                               "and 16 cores per plane")
+
+    def _build_fabric(self, rate: float) -> Fabric:
+        if not self.three_tier:
+            return spine_leaf(leaves=self.leaves, spines=self.spines, gpus_per_leaf=self.gpus_per_leaf,
+                              link_gbps=self.link_gbps * rate, nic_gbps=self.nic_gbps * rate, transport="tcp-1500")
+        per_pod = self.leaves // self.pods
+        over = (self.gpus_per_leaf * self.nic_gbps / (self.aggs_per_pod * self.link_gbps),
+                per_pod * self.link_gbps / (self.cores_per_plane * self.core_link_gbps))
+        return clos3(pods=self.pods, leaves_per_pod=per_pod, aggs_per_pod=self.aggs_per_pod,
+                     cores_per_plane=self.cores_per_plane, gpus_per_leaf=self.gpus_per_leaf,
+                     nic_gbps=self.nic_gbps * rate, oversubscription=over, transport="tcp-1500")
 
     def fabric(self) -> Fabric:
         """The nominal fabric (the workload and the paper's units)."""
-        return spine_leaf(leaves=self.leaves, spines=self.spines, gpus_per_leaf=self.gpus_per_leaf,
-                          link_gbps=self.link_gbps, nic_gbps=self.nic_gbps, transport="tcp-1500")
+        return self._build_fabric(1.0)
 
     def scaled_fabric(self) -> Fabric:
         """The fabric as built: what agents compute leases and backlogs with."""
-        return spine_leaf(leaves=self.leaves, spines=self.spines, gpus_per_leaf=self.gpus_per_leaf,
-                          link_gbps=self.link_gbps * self.scale, nic_gbps=self.nic_gbps * self.scale,
-                          transport="tcp-1500")
+        return self._build_fabric(self.scale)
 
     @classmethod
     def from_fabric_config(cls, cfg: Any, **kw: Any) -> TestbedSpec:
         f = cfg.build()
+        extra: dict[str, Any] = {}
+        if isinstance(f, ClosFabric):
+            extra = dict(pods=f.pods, aggs_per_pod=f.aggs_per_pod, cores_per_plane=f.cores_per_plane,
+                         core_link_gbps=f.core_link_bps / 1e9)
         return cls(leaves=f.n_leaves, spines=f.n_spines, gpus_per_leaf=f.n_hosts // f.n_leaves,
-                   link_gbps=f.link_bps / 1e9, nic_gbps=f.hosts[0].nic_bps / 1e9, **kw)
+                   link_gbps=f.link_bps / 1e9, nic_gbps=f.hosts[0].nic_bps / 1e9, **extra, **kw)
 
 
 # ---------------------------------------------------------------------------- layout
@@ -117,13 +145,26 @@ class Layout:
     def spine_ns(self, k: int) -> str:
         return f"{self.spec.prefix}-spine{k}"
 
+    def agg_ns(self, g: int) -> str:
+        return f"{self.spec.prefix}-agg{g}"
+
+    def core_ns(self, c: int) -> str:
+        return f"{self.spec.prefix}-core{c}"
+
+    def counted(self) -> list[str]:
+        """Switches whose egress the counters watch: the spines; 3-tier: aggregation, then cores."""
+        s = self.spec
+        if not s.three_tier:
+            return [self.spine_ns(k) for k in range(s.spines)]
+        return [self.agg_ns(g) for g in range(s.pods * s.aggs_per_pod)] + [self.core_ns(c) for c in range(s.spines)]
+
     @property
     def mgmt_ns(self) -> str:
         return f"{self.spec.prefix}-mgmt"
 
     def namespaces(self) -> list[str]:
         s = self.spec
-        return ([self.mgmt_ns] + [self.spine_ns(k) for k in range(s.spines)]
+        return ([self.mgmt_ns] + (self.counted() if s.three_tier else [self.spine_ns(k) for k in range(s.spines)])
                 + [self.leaf_ns(a) for a in range(s.leaves)]
                 + [self.host_ns(i) for i in range(s.leaves * s.gpus_per_leaf)])
 
@@ -149,9 +190,27 @@ class Layout:
         """(leaf side, spine side) of the /31 between leaf ``a`` and spine ``k``."""
         return f"172.16.{k}.{2 * a}", f"172.16.{k}.{2 * a + 1}"
 
+    def core_ips(self, pod: int, c: int) -> tuple[str, str]:
+        """(aggregation side, core side) of the /31 between aggregation switch ``c // R`` of
+        ``pod`` and core ``c``."""
+        return f"172.17.{c}.{2 * pod}", f"172.17.{c}.{2 * pod + 1}"
+
     def routers(self) -> dict[str, int]:
-        """Router address -> spine index: how a probe's offender names a path."""
+        """Router address -> spine index: how a probe's offender names a path (2-tier)."""
         return {self.uplink_ips(a, k)[1]: k for a in range(self.spec.leaves) for k in range(self.spec.spines)}
+
+    def hop_routers(self) -> dict[str, Any]:
+        """The routers file of a 3-tier testbed: a TTL-2 probe dies at the aggregation switch
+        the leaf chose (its address facing the leaf names ``j``), a TTL-3 probe at the core
+        the aggregation switch chose (its address facing that switch names the path ``j * R + r``)."""
+        s = self.spec
+        aggs = {self.uplink_ips(a, j)[1]: j for a in range(s.leaves) for j in range(s.aggs_per_pod)}
+        cores = {self.core_ips(p, c)[1]: c for p in range(s.pods) for c in range(s.spines)}
+        return {"hops": [{"ttl": 2, "routers": aggs}, {"ttl": 3, "routers": cores}],
+                "members": [s.aggs_per_pod, s.cores_per_plane]}
+
+    def routers_file(self) -> dict[str, Any]:
+        return self.hop_routers() if self.spec.three_tier else dict(self.routers())
 
     def mgmt_ip(self, i: int) -> str:
         return str(MGMT_NET.network_address + 1 + i)
@@ -281,15 +340,21 @@ def _veth(handles: dict[str, Any], ns_a: str, if_a: str, ns_b: str, if_b: str) -
 
 
 def _build(spec: TestbedSpec, lay: Layout, h: dict[str, Any], hash_seed: int | None) -> None:
-    fab = spec.fabric()
-    link_bps, nic_bps = spec.link_gbps * 1e9 * spec.scale, spec.nic_gbps * 1e9 * spec.scale
-    rnd = random.SystemRandom()
-    # management bridge
+    _build_hosts(spec, lay, h)
+    if spec.three_tier:
+        _build_clos(spec, lay, h, hash_seed)
+    else:
+        _build_spine_leaf(spec, lay, h, hash_seed)
+
+
+def _build_hosts(spec: TestbedSpec, lay: Layout, h: dict[str, Any]) -> None:
+    """Host <-> leaf links (rate-limited), host routes, and the management bridge."""
+    nic_bps = spec.nic_gbps * 1e9 * spec.scale
     mg = h[lay.mgmt_ns]
     mg.link("add", ifname="br0", kind="bridge")
     _up(mg, "br0")
     br = mg.link_lookup(ifname="br0")[0]
-    for host in fab.hosts:
+    for host in spec.fabric().hosts:
         i, a = host.index, host.leaf
         hn, ln = lay.host_ns(i), lay.leaf_ns(a)
         # data: host eth0 <-> leaf h<i>
@@ -312,37 +377,90 @@ def _build(spec: TestbedSpec, lay: Layout, h: dict[str, Any], hash_seed: int | N
         hx.addr("add", index=hx.link_lookup(ifname="mgmt0")[0], address=lay.mgmt_ip(i),
                 prefixlen=MGMT_NET.prefixlen)
         netns.sysctl(hn, "net.ipv4.tcp_tw_reuse", 1)
+
+
+def _p2p(h: dict[str, Any], spec: TestbedSpec, lower: tuple[str, str, str], upper: tuple[str, str, str],
+         bps: float) -> None:
+    """A rate-limited /31 between two switches: (namespace, interface, address) of each end."""
+    _veth(h, lower[0], lower[1], upper[0], upper[1])
+    for ns, ifname, ip in (lower, upper):
+        h[ns].addr("add", index=h[ns].link_lookup(ifname=ifname)[0], address=ip, prefixlen=31)
+        _tbf(h[ns], ifname, bps, spec.queue_ms)
+
+
+def _build_spine_leaf(spec: TestbedSpec, lay: Layout, h: dict[str, Any], hash_seed: int | None) -> None:
+    link_bps = spec.link_gbps * 1e9 * spec.scale
     for a in range(spec.leaves):
         ln = lay.leaf_ns(a)
         for k in range(spec.spines):
-            sn = lay.spine_ns(k)
-            _veth(h, ln, f"s{k}", sn, f"l{a}")
             lip, sip = lay.uplink_ips(a, k)
-            h[ln].addr("add", index=h[ln].link_lookup(ifname=f"s{k}")[0], address=lip, prefixlen=31)
-            h[sn].addr("add", index=h[sn].link_lookup(ifname=f"l{a}")[0], address=sip, prefixlen=31)
-            _tbf(h[ln], f"s{k}", link_bps, spec.queue_ms)
-            _tbf(h[sn], f"l{a}", link_bps, spec.queue_ms)
-            h[sn].route("add", dst=lay.host_subnet(a), gateway=lip)
+            _p2p(h, spec, (ln, f"s{k}", lip), (lay.spine_ns(k), f"l{a}", sip), link_bps)
+            h[lay.spine_ns(k)].route("add", dst=lay.host_subnet(a), gateway=lip)
     for a in range(spec.leaves):
         ln = lay.leaf_ns(a)
         for b in range(spec.leaves):
             if b != a:
                 h[ln].route("add", dst=lay.host_subnet(b),
                             multipath=[{"gateway": lay.uplink_ips(a, k)[1]} for k in range(spec.spines)])
-        for key, val in (("net.ipv4.ip_forward", 1), ("net.ipv4.conf.all.rp_filter", 0),
-                         ("net.ipv4.conf.default.rp_filter", 0),
-                         ("net.ipv4.fib_multipath_hash_fields", _HASH_FIELDS),
-                         ("net.ipv4.fib_multipath_hash_policy", HASH_POLICIES[spec.hash_policy]),
-                         ("net.ipv4.fib_multipath_hash_seed",
-                          hash_seed if hash_seed is not None else rnd.randrange(1, 2**32))):
-            netns.sysctl(ln, key, val)
+        _ecmp_sysctls(spec, ln, hash_seed)
     for k in range(spec.spines):
-        sn = lay.spine_ns(k)
-        # Probes need every time-exceeded answered: lift ICMP rate limits on spines.
-        for key, val in (("net.ipv4.ip_forward", 1), ("net.ipv4.conf.all.rp_filter", 0),
-                         ("net.ipv4.conf.default.rp_filter", 0), ("net.ipv4.icmp_ratelimit", 0),
-                         ("net.ipv4.icmp_msgs_per_sec", 1_000_000), ("net.ipv4.icmp_msgs_burst", 1_000_000)):
-            netns.sysctl(sn, key, val)
+        _answering_sysctls(lay.spine_ns(k))
+
+
+def _build_clos(spec: TestbedSpec, lay: Layout, h: dict[str, Any], hash_seed: int | None) -> None:
+    """Leaves pick an aggregation switch of their pod, aggregation switches a core of their
+    plane (both kernel multipath, each with its own hash seed); downward routes are single."""
+    n_agg, n_core, per_pod = spec.aggs_per_pod, spec.cores_per_plane, spec.leaves // spec.pods
+    link_bps, core_bps = spec.link_gbps * 1e9 * spec.scale, spec.core_link_gbps * 1e9 * spec.scale
+    for a in range(spec.leaves):
+        p = a // per_pod
+        for j in range(n_agg):
+            lip, aip = lay.uplink_ips(a, j)
+            agg = lay.agg_ns(p * n_agg + j)
+            _p2p(h, spec, (lay.leaf_ns(a), f"a{j}", lip), (agg, f"l{a}", aip), link_bps)
+            h[agg].route("add", dst=lay.host_subnet(a), gateway=lip)
+    for p in range(spec.pods):
+        for c in range(spec.spines):
+            j = c // n_core
+            gip, cip = lay.core_ips(p, c)
+            _p2p(h, spec, (lay.agg_ns(p * n_agg + j), f"c{c}", gip), (lay.core_ns(c), f"p{p}", cip), core_bps)
+            for b in range(p * per_pod, (p + 1) * per_pod):
+                h[lay.core_ns(c)].route("add", dst=lay.host_subnet(b), gateway=gip)
+    for a in range(spec.leaves):
+        for b in range(spec.leaves):
+            if b != a:
+                h[lay.leaf_ns(a)].route("add", dst=lay.host_subnet(b),
+                                        multipath=[{"gateway": lay.uplink_ips(a, j)[1]} for j in range(n_agg)])
+        _ecmp_sysctls(spec, lay.leaf_ns(a), hash_seed)
+    for g in range(spec.pods * n_agg):
+        p, j = divmod(g, n_agg)
+        for b in range(spec.leaves):
+            if b // per_pod != p:
+                h[lay.agg_ns(g)].route("add", dst=lay.host_subnet(b), multipath=[
+                    {"gateway": lay.core_ips(p, j * n_core + r)[1]} for r in range(n_core)])
+        _ecmp_sysctls(spec, lay.agg_ns(g), None if hash_seed is None else hash_seed + 1 + g)
+        _answering_sysctls(lay.agg_ns(g))
+    for c in range(spec.spines):
+        _answering_sysctls(lay.core_ns(c))
+
+
+def _ecmp_sysctls(spec: TestbedSpec, ns: str, seed: int | None) -> None:
+    """Forwarding and multipath hashing: ``seed`` None draws a random key for this switch."""
+    for key, val in (("net.ipv4.ip_forward", 1), ("net.ipv4.conf.all.rp_filter", 0),
+                     ("net.ipv4.conf.default.rp_filter", 0),
+                     ("net.ipv4.fib_multipath_hash_fields", _HASH_FIELDS),
+                     ("net.ipv4.fib_multipath_hash_policy", HASH_POLICIES[spec.hash_policy]),
+                     ("net.ipv4.fib_multipath_hash_seed", seed if seed is not None else _RANDOM.randrange(1, 2**32))):
+        netns.sysctl(ns, key, val)
+
+
+def _answering_sysctls(ns: str) -> None:
+    """Probes need every time-exceeded answered, from the address the probe came in on."""
+    for key, val in (("net.ipv4.ip_forward", 1), ("net.ipv4.conf.all.rp_filter", 0),
+                     ("net.ipv4.conf.default.rp_filter", 0), ("net.ipv4.icmp_ratelimit", 0),
+                     ("net.ipv4.icmp_msgs_per_sec", 1_000_000), ("net.ipv4.icmp_msgs_burst", 1_000_000),
+                     ("net.ipv4.icmp_errors_use_inbound_ifaddr", 1)):
+        netns.sysctl(ns, key, val)
 
 
 def down(prefix: str = "ark", base: str | None = None) -> list[str]:
@@ -374,7 +492,7 @@ def down(prefix: str = "ark", base: str | None = None) -> list[str]:
 
 def _ours(prefix: str, name: str) -> bool:
     rest = name[len(prefix) + 1:]
-    for kind in ("gpu", "leaf", "spine"):
+    for kind in ("gpu", "leaf", "spine", "agg", "core"):
         if rest.startswith(kind) and rest[len(kind):].isdigit():
             return True
     return rest == "mgmt"
@@ -390,6 +508,8 @@ def status(prefix: str = "ark", base: str | None = None) -> dict[str, Any]:
 
 def set_link(st: State, leaf: int, spine: int, is_up: bool) -> None:
     """Take the leaf-spine link down or back up (both ends), as a failure would."""
+    if st.spec.three_tier:
+        raise TestbedError("link: failing links is supported on a 2-tier testbed only")
     if not (0 <= leaf < st.spec.leaves and 0 <= spine < st.spec.spines):
         raise TestbedError(f"link: leaf must be 0..{st.spec.leaves - 1}, spine 0..{st.spec.spines - 1}")
     lay = st.layout

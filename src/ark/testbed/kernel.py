@@ -26,14 +26,23 @@ class KernelRoutes:
     directly: one RTM_GETROUTE per question, answered with the chosen gateway.
     """
 
-    def __init__(self, st: State, leaf: int) -> None:
+    def __init__(self, st: State, leaf: int, agg: int | None = None) -> None:
+        """In ``leaf`` (packets from its hosts), or, with ``agg``, in that aggregation switch
+        of a 3-tier testbed (packets that came up from ``leaf``)."""
         self.lay = st.layout
-        with netns.inside(self.lay.leaf_ns(leaf)):
+        spec = st.spec
+        ns = self.lay.leaf_ns(leaf) if agg is None else self.lay.agg_ns(agg)
+        with netns.inside(ns):
             self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE)
             self.sock.bind((0, 0))
-            self._iif = {i: socket.if_nametoindex(f"h{i}") for i in range(st.spec.leaves * st.spec.gpus_per_leaf)
-                         if self.lay.leaf_of(i) == leaf}
-        self._routers = self.lay.routers()
+            hosts = [i for i in range(spec.leaves * spec.gpus_per_leaf) if self.lay.leaf_of(i) == leaf]
+            iif = socket.if_nametoindex(f"l{leaf}") if agg is not None else 0
+            self._iif = {i: iif or socket.if_nametoindex(f"h{i}") for i in hosts}
+        if spec.three_tier:
+            hops = self.lay.hop_routers()["hops"]
+            self._routers = hops[0 if agg is None else 1]["routers"]
+        else:
+            self._routers = self.lay.routers()
         self._seq = 0
 
     def gateway(self, src: int, dst_ip: str, sport: int, dport: int, proto: int = 6) -> str:
@@ -57,6 +66,8 @@ class KernelRoutes:
         raise TestbedError(f"route get {dst_ip} sport {sport}: no gateway in the answer")
 
     def spine(self, src: int, dst_ip: str, sport: int, dport: int, proto: int = 6) -> int:
+        """The next hop's index: a spine; 3-tier: the aggregation switch a leaf picks (``j``),
+        or the core an aggregation switch picks (its index, the path ``j * R + r``)."""
         return self._routers[self.gateway(src, dst_ip, sport, dport, proto)]
 
     def close(self) -> None:

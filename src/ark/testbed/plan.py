@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ark.agent.cluster import ClusterFile, ClusterSettings, HostTable
 from ark.agent.keys import create_keypair, public_keys
+from ark.core.clos import ClosFabric
 from ark.core.fabric_config import FabricConfig
 from ark.core.flows import FlowSpec
 from ark.core.pathmap import pathmap_filename
@@ -22,11 +23,18 @@ Pairs = dict[int, set[int]]  # source host -> destination hosts behind other lea
 
 
 def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[FlowSpec], float]:
-    """KV flows of the simulator's workload, scaled; and the nominal offered load."""
-    from ark.sim.config import default
+    """KV flows of the simulator's workload, scaled; and the nominal offered load.
+
+    On a 3-tier testbed each request's GPUs are drawn at random (a global scheduler), so
+    that flows cross pods; round-robin would pair every prefill GPU with a decode GPU of
+    its own pod.
+    """
+    from ark.sim.config import default, from_dict
     from ark.sim.experiment import offered_load, place
 
     cfg = default().with_overrides(requests=requests)
+    if st.spec.three_tier:
+        cfg = from_dict({"workload": {"requests": requests}, "serving": {"placement": "random"}})
     fab = st.spec.fabric()
     placed = place(cfg, fab, qps, seed)
     t_first = min(p.kv_start_s for p in placed)
@@ -69,8 +77,21 @@ def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128,
         state_dir="state",
         routers_file="routers.json", probe_proto="tcp", probe_sample=sample, probe_check_s=probe_check_s,
     )
-    fabric = FabricConfig(leaves=spec.leaves, spines=spec.spines, gpus_per_leaf=spec.gpus_per_leaf,
-                          link_gbps=spec.link_gbps * spec.scale, nic_gbps=spec.nic_gbps * spec.scale,
-                          transport="tcp-1500")
-    (st.dir / "routers.json").write_text(json.dumps(lay.routers()))
-    return ClusterFile(cluster=settings, fabric=fabric, hosts=hosts).save(st.dir / f"cluster-{policy}.toml")
+    (st.dir / "routers.json").write_text(json.dumps(lay.routers_file()))
+    return ClusterFile(cluster=settings, fabric=fabric_config(st), hosts=hosts).save(st.dir / f"cluster-{policy}.toml")
+
+
+def fabric_config(st: State) -> FabricConfig:
+    """The ``[fabric]`` table of the testbed as built (rates scaled)."""
+    spec = st.spec
+    if not spec.three_tier:
+        return FabricConfig(leaves=spec.leaves, spines=spec.spines, gpus_per_leaf=spec.gpus_per_leaf,
+                            link_gbps=spec.link_gbps * spec.scale, nic_gbps=spec.nic_gbps * spec.scale,
+                            transport="tcp-1500")
+    f = spec.scaled_fabric()
+    assert isinstance(f, ClosFabric)
+    over = f.oversubscription()
+    return FabricConfig(pods=f.pods, leaves_per_pod=f.leaves_per_pod, aggs_per_pod=f.aggs_per_pod,
+                        cores_per_plane=f.cores_per_plane, gpus_per_leaf=spec.gpus_per_leaf,
+                        nic_gbps=spec.nic_gbps * spec.scale, oversubscription=(over[0], over[1]),
+                        transport="tcp-1500")

@@ -236,6 +236,28 @@ def _send(tr: TestbedRun, pairs: Pairs, cluster: Path, change: dict[str, Any]) -
     return counters
 
 
+def _expected(st: State, src: int, dst: int, path: int) -> set[int]:
+    """The counted switches a flow on ``path`` crosses: its spine; 3-tier: the aggregation
+    switch ``j`` of each pod it touches and, between pods, core ``path``."""
+    spec, lay = st.spec, st.layout
+    if not spec.three_tier:
+        return {path}
+    per_pod = spec.leaves // spec.pods
+    p, q = lay.leaf_of(src) // per_pod, lay.leaf_of(dst) // per_pod
+    n_agg = spec.aggs_per_pod
+    if p == q:
+        return {p * n_agg + path}
+    j = path // spec.cores_per_plane
+    return {p * n_agg + j, q * n_agg + j, spec.pods * n_agg + path}
+
+
+def _top(st: State, crossed: dict[int, int]) -> int | None:
+    """The top-tier switch that carried most of these bytes (spine; 3-tier: core), if any."""
+    base = st.spec.pods * st.spec.aggs_per_pod if st.spec.three_tier else 0
+    tops = {k - base: v for k, v in crossed.items() if k >= base}
+    return max(tops, key=lambda k: tops[k]) if tops else None
+
+
 def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
                  counters: SpineCounters) -> dict[str, Any]:
     lay = st.layout
@@ -244,17 +266,19 @@ def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
     for sg in r.get("segments") or []:
         crossed = counters.spines_of((src_ip, sg["sport"], dst_ip, sg.get("dport", dport)), sg["t0"], sg["t1"])
         segs.append({**sg, "spine_bytes": {str(k): v for k, v in sorted(crossed.items())},
-                     "spine": max(crossed, key=lambda k: crossed[k]) if crossed else None})
+                     "spine": _top(st, crossed)})
     fr: dict[str, Any] = {"id": r["id"], "src": f"gpu{f.src}", "dst": f"gpu{f.dst}", "bytes": f.nbytes,
                           "start_s": f.start_s, "sport": r["sport"], "fct_s": r.get("fct_s"),
                           "error": r["error"], "spine": segs[0]["spine"] if segs else None, "segments": segs}
     fr.update({k: r[k] for k in ("late_s", "connections", "steer_error", "repathed", "ecmp", "reserve_s") if k in r})
     if params.scheme != "ecmp" and r["path"] is not None and lay.leaf_of(f.src) != lay.leaf_of(f.dst):
         fr.update(reserved_spine=r["path"], reserved=r["reserved"], reserve_s=r.get("reserve_s"))
-        # Matched: on every connection of the flow, every payload byte crossed the spine
-        # reserved for it, and some bytes were seen.
+        # Matched: on every connection of the flow, every payload byte crossed the switches
+        # of the path reserved for it (spine; 3-tier: aggregation switches and core), and
+        # some bytes were seen.
         fr["path_match"] = bool(segs) and all(
-            not sg["bytes"] or set(sg["spine_bytes"]) == {str(sg["path"])} for sg in segs
+            not sg["bytes"] or set(sg["spine_bytes"]) == {str(x) for x in _expected(st, f.src, f.dst, sg["path"])}
+            for sg in segs
         ) and any(sg["spine_bytes"] for sg in segs)
     return fr
 
@@ -286,6 +310,7 @@ def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[d
         "flows_per_spine": per_spine,
         "probes_sent": probe_info["probes_sent"],
         "probe_agreement_fraction": probe_info["probe_agreement_fraction"],
+        "probe_agreement_by_hop": probe_info.get("probe_agreement_by_hop"),
         "probe": {k: v for k, v in probe_info.items() if k != "per_host"},
         "flows": per_flow,
     }

@@ -1,0 +1,866 @@
+"""The replicated reservation table: what every replica agrees on, and nothing else.
+
+A :class:`ReservationTable` holds RESERVE, RENEW and RELEASE messages and the assignment
+of paths they imply (the rules are in :mod:`ark.core.protocol`). It knows no host: the
+local flows, their ports and the decisions they get live in
+:class:`ark.core.protocol.ArkCore`, which drives one table per host in an agent. Table
+operations return the flows whose assignment may have changed, so that whoever owns those
+flows can bring them in line; several cores can therefore share one table when their
+message sets are equal (the simulator's hosts, see :class:`ArkCore` ``table=``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+from bisect import bisect_left, insort
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ark.core.messages import FlowId, Key, Message, Release, Renew, Reserve
+
+POLICIES = ("ark", "ark-balance")
+INF = float("inf")
+_NO_END_BUCKET = 2**62
+_BUCKETS_PER_S = 10
+_EVERYTHING: Key = (-INF, -1, -1)  # a deferred full recomputation
+
+# What a table operation may have changed: these flows, or (None) every flow.
+Changed = list[FlowId] | None
+EVERY_FLOW: Changed = None
+
+
+class Routes(Protocol):
+    """What the core needs of a topology (``ark.core.topology.Fabric`` provides it)."""
+
+    def stages(self, src: int, dst: int) -> tuple[tuple[int, ...], ...]: ...
+
+    def n_paths(self, src: int, dst: int) -> int: ...
+
+    def path_rate_bps(self, src: int, dst: int, path: int) -> float: ...
+
+    @property
+    def n_hosts(self) -> int: ...
+
+
+class CoreError(ValueError):
+    """A local API misuse (unknown host, unknown flow, bad argument)."""
+
+
+def _bucket_of(t: float) -> int:
+    """The 100 ms digest bucket of a time; clamped, so no finite or infinite time overflows."""
+    v = t * _BUCKETS_PER_S
+    if v != v:
+        raise CoreError("time: NaN")
+    if v >= _NO_END_BUCKET:
+        return _NO_END_BUCKET
+    return -_NO_END_BUCKET if v <= -_NO_END_BUCKET else math.floor(v)
+
+
+@dataclass(frozen=True)
+class CoreLimits:
+    """Bounds on what other hosts and local clients can make a replica keep.
+
+    ``max_flows_per_host``: reservations of one owner a replica holds (a RESERVE beyond
+    it is dropped and counted); ``max_early_per_host``: releases and renewals of one
+    owner's still unknown flows kept for later; ``max_dports``: destination ports with
+    path maps and port buckets at once (the least recently used idle one is dropped).
+    """
+
+    max_flows_per_host: int = 4096
+    max_early_per_host: int = 1024
+    max_dports: int = 8
+
+    @classmethod
+    def unbounded(cls) -> CoreLimits:
+        """For a replica that only trusted code feeds (the simulator, benchmarks)."""
+        return cls(2**62, 2**62, 2**16)
+
+
+def deadline_after(t: float, offset: float, *, strict: bool) -> float:
+    """The first float ``d`` with ``d - offset >= t`` (``> t`` when ``strict``).
+
+    ``t + offset`` alone can round so that a tick at it still finds nothing due, and a
+    caller that sleeps until the deadline would wake forever.
+    """
+    d = t + offset
+    while d - offset < t or (strict and d - offset == t):
+        d = math.nextafter(d, INF)
+    return d
+
+
+@dataclass(slots=True)
+class Entry:
+    msg: Reserve
+    released: float | None = None
+    path: int | None = None  # assigned path; None = holds nothing
+    shared: bool = False
+    expires: float = INF
+    renew_ts: float = -INF
+    held: bool = False  # currently counted in the holders index
+    # Frozen: an overlapping reservation has been forgotten, so recomputing this one
+    # could give another answer than the one every replica already agreed on.
+    frozen: bool = False
+
+    @property
+    def end(self) -> float:
+        r = self.released
+        return self.expires if r is None or r > self.expires else r
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    reserved: int = 0
+    fallbacks: int = 0
+    shared: int = 0
+    races_lost: int = 0  # own flows re-pathed or unreserved after a race
+    renewals: int = 0
+    expired: int = 0  # reservations whose lease ran out before a RELEASE
+    received: int = 0
+    duplicates: int = 0
+    stale: int = 0
+    invalid: int = 0
+    overflow: int = 0  # dropped: an owner over its share of the table (CoreLimits)
+    recomputes: int = 0
+    partial_recomputes: int = 0
+
+
+@dataclass
+class _StageIndex:
+    """Bitmask per stage: bit k set when link ``stage[k]`` has a holder.
+
+    Stages are interned to small ints so that a lookup never hashes a K-long tuple.
+    """
+
+    ids: dict[tuple[int, ...], int] = field(default_factory=dict)
+    masks: list[int] = field(default_factory=list)
+    by_link: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    pair_sids: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+
+
+class _Sweep:
+    """Links held by earlier reservations, as a sweep moves forward in key order."""
+
+    __slots__ = ("active", "held", "retire")
+
+    def __init__(self) -> None:
+        self.held: dict[int, int] = {}
+        self.retire: list[tuple[float, Key]] = []
+        self.active: dict[Key, tuple[int, ...]] = {}
+
+    def add(self, key: Key, links: tuple[int, ...], end: float) -> None:
+        for lk in links:
+            self.held[lk] = self.held.get(lk, 0) + 1
+        self.active[key] = links
+        heapq.heappush(self.retire, (end, key))
+
+    def retire_until(self, ts: float) -> None:
+        """Forget reservations that ended at or before ``ts``."""
+        retire = self.retire
+        while retire and retire[0][0] <= ts:
+            _, k = heapq.heappop(retire)
+            for lk in self.active.pop(k):
+                self.held[lk] -= 1
+
+
+class ReservationTable:
+    """One replica's reservations and the paths they hold (see the module docstring)."""
+
+    def __init__(
+        self,
+        routes: Routes,
+        *,
+        policy: str = "ark",
+        retention_s: float = 5.0,
+        expiry_grace_s: float = 0.25,
+        counters: Counters | None = None,
+        limits: CoreLimits | None = None,
+    ) -> None:
+        if policy not in POLICIES:
+            raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
+        if retention_s <= 0:
+            raise CoreError(f"retention_s: must be > 0; got {retention_s}")
+        if expiry_grace_s < 0 or expiry_grace_s >= retention_s:
+            raise CoreError(f"expiry_grace_s: must be in [0, retention_s); got {expiry_grace_s}")
+        self.routes = routes
+        self.n_hosts = routes.n_hosts
+        self.policy = policy
+        self.retention_s = retention_s
+        self.expiry_grace_s = expiry_grace_s
+        self.purge_slack_s = retention_s / 10  # forgetting in batches (see next_deadline)
+        self.counters = counters if counters is not None else Counters()
+        self._entries: dict[FlowId, Entry] = {}
+        self._keys: list[Key] = []
+        self._early_release: dict[FlowId, float] = {}
+        self._early_renew: dict[FlowId, Renew] = {}
+        self._holders: dict[int, set[FlowId]] = {}
+        self._stages = _StageIndex()
+        self._stage_cache: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
+        # Largest end among entries taken out of the holders index early (released).
+        self._max_released = -INF
+        self._expired_upto = -INF  # entries ending at or before this hold nothing
+        self._end_heap: list[tuple[float, FlowId]] = []  # ends: leaves the live set
+        # Ends that are lease expiries (not releases): the entry still holds its links
+        # until then, so a tick is due exactly then (the rest can wait, see next_deadline).
+        self._expiry_heap: list[tuple[float, FlowId]] = []
+        # Entries whose end is after _expired_upto: all a partial recomputation needs
+        # to know about the past.
+        self._live: set[FlowId] = set()
+        # Per owner: XOR of (flow, end) hashes per 100 ms of end time (see state_digest).
+        self._digest_buckets: dict[int, dict[int, int]] = {}
+        self._digest_of: dict[FlowId, tuple[int, int]] = {}
+        self.limits = limits or CoreLimits.unbounded()
+        self._per_owner: dict[int, int] = {}  # entries held per owner host
+        self._early_per_owner: dict[int, int] = {}
+        self._purge_heap: list[tuple[float, FlowId]] = []  # for forgetting
+        self._horizon = -INF
+        # Recomputation is deferred while messages arrive in a batch (see settle()); what a
+        # settled recomputation changed waits for take_changed().
+        self._deferred: Key | None = None
+        self._changed: list[FlowId] = []
+        self._changed_all = False
+        self._handlers: dict[type, Callable[[Any], Changed]] = {
+            Reserve: self._receive_reserve, Release: self.on_release, Renew: self.on_renew,
+        }
+
+    # ------------------------------------------------------------------ lookups
+    def get(self, flow: FlowId) -> Entry | None:
+        return self._entries.get(flow)
+
+    def __contains__(self, flow: object) -> bool:
+        return flow in self._entries
+
+    def holders(self, link: int) -> set[FlowId]:
+        """Flows whose reservation holds ``link`` now (do not modify)."""
+        return self._holders.get(link) or set()
+
+    def pair_sids(self, src: int, dst: int) -> tuple[int, ...]:
+        self.stage_list(src, dst)
+        return self._stages.pair_sids[(src, dst)]
+
+    def lowest_free(self, sids: tuple[int, ...], n: int, usable: int = -1) -> int | None:
+        """The lowest path whose links at every stage ``sids`` are free (and ``usable``)."""
+        busy = 0
+        masks = self._stages.masks
+        for sid in sids:
+            busy |= masks[sid]
+        free = ~busy & ((1 << n) - 1) & usable
+        return (free & -free).bit_length() - 1 if free else None
+
+    # ------------------------------------------------------------------ messages
+    def receive(self, msg: Message) -> Changed:
+        """Apply one message (validated like a replica does); returns what may have changed."""
+        self.counters.received += 1
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self.counters.invalid += 1
+            return []
+        return handler(msg)
+
+    def _receive_reserve(self, msg: Reserve) -> Changed:
+        return self.insert(msg) if self.admissible(msg) and self.has_room(msg) else []
+
+    def has_room(self, msg: Reserve) -> bool:
+        """Is its owner under its share of the table (:class:`CoreLimits`)? Counted if not."""
+        if self._per_owner.get(msg.flow[0], 0) >= self.limits.max_flows_per_host:
+            self.counters.overflow += 1
+            return False
+        return True
+
+    def owner_count(self, host: int) -> int:
+        """Reservations of ``host`` this replica holds."""
+        return self._per_owner.get(host, 0)
+
+    def knows(self, flow: FlowId) -> bool:
+        """Does this replica keep anything about ``flow`` (a reservation, an early message)?"""
+        return flow in self._entries or flow in self._early_release or flow in self._early_renew
+
+    def admissible(self, msg: Reserve) -> bool:
+        """A valid RESERVE, not stale, not known yet (else counted and refused)."""
+        if not self._valid_reserve(msg):
+            self.counters.invalid += 1
+            return False
+        if self._ended_before(msg, self._horizon):
+            self.counters.stale += 1
+            return False
+        old = self._entries.get(msg.flow)
+        if old is not None:
+            if old.msg == msg:
+                self.counters.duplicates += 1
+            else:
+                self.counters.invalid += 1
+            return False
+        return True
+
+    def on_release(self, msg: Release) -> Changed:
+        entry = self._entries.get(msg.flow)
+        if entry is None:
+            if msg.ts < self._horizon:
+                self.counters.stale += 1
+            elif msg.flow in self._early_release and self._early_release[msg.flow] <= msg.ts:
+                self.counters.duplicates += 1
+            elif self._early_room(msg.flow, msg.flow not in self._early_release):
+                self._early_release[msg.flow] = msg.ts
+            return []
+        if entry.released is not None and entry.released <= msg.ts:
+            # Two RELEASEs for one flow (a predecessor's, after a restart): the
+            # earliest wins on every replica, whatever the arrival order.
+            self.counters.duplicates += 1
+            return []
+        if msg.ts < entry.msg.ts:
+            self.counters.invalid += 1
+            return []
+        return self.apply_release(msg)
+
+    def on_renew(self, msg: Renew) -> Changed:
+        entry = self._entries.get(msg.flow)
+        if entry is None:
+            if msg.expires < self._horizon:
+                self.counters.stale += 1
+            else:
+                old_r = self._early_renew.get(msg.flow)
+                if (old_r is None or old_r.expires < msg.expires) and self._early_room(msg.flow, old_r is None):
+                    self._early_renew[msg.flow] = msg
+            return []
+        if msg.ts < entry.msg.ts or msg.expires < entry.msg.ts:
+            self.counters.invalid += 1
+            return []
+        if msg.expires <= entry.expires:
+            self.counters.duplicates += 1
+            return []
+        # A renewal that arrives after the lease lapsed here still applies: the
+        # table is a function of the message set, whatever the arrival times.
+        return self.apply_renew(entry, msg)
+
+    def _early_room(self, flow: FlowId, new: bool) -> bool:
+        """Count a new early release/renewal of ``flow``'s owner; False when over the cap."""
+        if not new:
+            return True
+        n = self._early_per_owner.get(flow[0], 0)
+        if n >= self.limits.max_early_per_host:
+            self.counters.overflow += 1
+            return False
+        self._early_per_owner[flow[0]] = n + 1
+        return True
+
+    def _early_gone(self, flow: FlowId) -> None:
+        n = self._early_per_owner.get(flow[0], 0) - 1
+        if n > 0:
+            self._early_per_owner[flow[0]] = n
+        else:
+            self._early_per_owner.pop(flow[0], None)
+
+    def insert(self, msg: Reserve) -> Changed:
+        """Add an admissible RESERVE; the changed flows include ``msg.flow`` itself."""
+        entry = Entry(msg, expires=msg.expires)
+        key = msg.key
+        # The fast path is exact when the holders index equals "entries whose end is
+        # after msg.ts": no larger key exists and nothing ended early after msg.ts.
+        fast = (
+            self._deferred is None
+            and (not self._keys or key > self._keys[-1])
+            and msg.ts >= self._max_released
+            and msg.ts >= self._expired_upto
+        )
+        self._entries[msg.flow] = entry
+        self._per_owner[msg.flow[0]] = self._per_owner.get(msg.flow[0], 0) + 1
+        insort(self._keys, key)
+        renew = self._early_renew.pop(msg.flow, None) if self._early_renew else None
+        if renew is not None:
+            self._early_gone(msg.flow)
+        if renew is not None and renew.expires > entry.expires:
+            entry.expires, entry.renew_ts = renew.expires, renew.ts
+        early = self._early_release.pop(msg.flow, None) if self._early_release else None
+        if early is not None:
+            self._early_gone(msg.flow)
+            entry.released = max(early, msg.ts)
+            self._max_released = max(self._max_released, entry.end)
+            fast = False
+        if entry.end <= self._expired_upto:
+            fast = False
+        self._push_end(entry)
+        if not fast:
+            self._defer(key)  # settle() evaluates it, with whatever else arrives in the batch
+            return []
+        holders = self._holders
+        stages = self.stage_list(msg.src, msg.dst)
+        links = [st[msg.path] for st in stages]
+        if not msg.shared and not any([holders.get(lk) for lk in links]):
+            entry.path = msg.path  # the common case: requested path free
+        else:
+            entries, ts = self._entries, msg.ts
+
+            def held(lk: int) -> bool:
+                hs = holders.get(lk)
+                return hs is not None and any(entries[f].end > ts for f in hs)
+
+            entry.path, entry.shared = self.assign(msg, held)
+            if entry.path is not None:
+                links = [st[entry.path] for st in stages]
+        if entry.path is not None:
+            self._hold(msg.flow, links)
+        return [msg.flow]
+
+    def apply_release(self, msg: Release) -> Changed:
+        entry = self._entries[msg.flow]
+        old_end = entry.end
+        entry.released = msg.ts
+        new_end = entry.end
+        self._push_end(entry)
+        # Invariant of the fast insert path: every released entry is out of the holders
+        # index and its end is <= _max_released.
+        self._max_released = max(self._max_released, new_end)
+        if entry.held:
+            self._unhold(msg.flow, self.links(entry.msg, entry.path))  # type: ignore[arg-type]
+        if new_end != old_end and self._later_start_at_or_after(entry, new_end):
+            # Someone reserved at or after this release instant: their evaluation
+            # may change now that this flow is known to be gone by then.
+            self._defer((new_end, -1, -1))
+        return []
+
+    def apply_renew(self, entry: Entry, msg: Renew) -> Changed:
+        old_end = entry.end
+        entry.expires, entry.renew_ts = msg.expires, msg.ts
+        self.counters.renewals += 1
+        new_end = entry.end
+        if new_end == old_end:  # already released before the old expiry
+            return []
+        self._push_end(entry)
+        if entry.released is not None:
+            self._max_released = max(self._max_released, new_end)
+        lapsed = old_end <= self._expired_upto and entry.path is not None and not entry.held
+        if lapsed:
+            # It holds again: only a full recomputation rebuilds the holders index for it.
+            self._defer(_EVERYTHING)
+        elif self._later_start_at_or_after(entry, old_end):
+            self._defer((old_end, -1, -1))
+        return []
+
+    def _defer(self, start: Key) -> None:
+        self._deferred = start if self._deferred is None else min(self._deferred, start)
+
+    def settle(self) -> None:
+        """Run a deferred recomputation now (its changes wait for :meth:`take_changed`).
+
+        Messages that force a re-evaluation (a key older than the newest, a release or
+        renewal that changes the past) defer it, so that a batch of messages costs one
+        recomputation from the earliest affected key. Every view settles first, so
+        nothing observable is stale.
+        """
+        if self._deferred is None:
+            return
+        start, self._deferred = self._deferred, None
+        changed = self._recompute_from(start)
+        if changed is None:
+            self._changed_all = True
+        else:
+            self._changed.extend(changed)
+
+    def take_changed(self) -> Changed:
+        """Settle, then the flows whose assignment changed since the last call (None: all)."""
+        self.settle()
+        if self._changed_all:
+            self._changed_all, self._changed = False, []
+            return EVERY_FLOW
+        out, self._changed = self._changed, []
+        return out
+
+    def recompute(self) -> Changed:
+        """Evaluate every reservation again and rebuild the holders index."""
+        self.counters.recomputes += 1
+        self._evaluate(self._keys, _Sweep())
+        # Rebuild the holders index and masks from scratch.
+        self._holders = {}
+        masks = self._stages.masks
+        for i in range(len(masks)):
+            masks[i] = 0
+        upto = self._expired_upto
+        self._live = {f for f, e in self._entries.items() if e.end > upto}
+        for f, e in self._entries.items():
+            e.held = False
+            if e.path is not None and e.released is None and e.end > upto:
+                self._hold(f, self.links(e.msg, e.path))
+        return EVERY_FLOW
+
+    def _recompute_from(self, start: Key) -> Changed:
+        """Re-evaluate only the reservations with keys >= ``start``.
+
+        Earlier keys cannot depend on later ones, and everything earlier that is still
+        active at ``start`` is in ``_live``; so this equals the full recomputation while
+        costing (active + suffix) instead of (everything retained).
+        """
+        if start == _EVERYTHING:
+            return self.recompute()
+        t0 = start[0]
+        keys, entries = self._keys, self._entries
+        i = bisect_left(keys, start)
+        if i >= len(keys):
+            return []
+        self.counters.partial_recomputes += 1
+        k0 = keys[i]
+        sweep = _Sweep()
+        # Entries still active at t0: all in _live when t0 is after the expiry horizon,
+        # else found by one scan (cheap: no assignment is evaluated for them).
+        for f in self._live if t0 >= self._expired_upto else entries:
+            e = entries[f]
+            if e.path is not None and e.msg.key < k0 and e.end > t0:
+                sweep.add(e.msg.key, self.links(e.msg, e.path), e.end)
+        changed = self._evaluate(keys[i:], sweep)
+        upto = self._expired_upto
+        out: list[FlowId] = []
+        for e, old_path in changed:
+            f = e.msg.flow
+            if e.held:
+                self._unhold(f, self.links(e.msg, old_path))  # type: ignore[arg-type]
+            if e.path is not None and e.released is None and e.end > upto:
+                self._hold(f, self.links(e.msg, e.path))
+            out.append(f)
+        return out
+
+    def tick(self, now: float) -> list[FlowId]:
+        """Let time pass: expire leases, forget old reservations.
+
+        Returns the flows whose lease ran out (they no longer hold a path).
+        """
+        self.settle()
+        expired: list[FlowId] = []
+        upto = now - self.expiry_grace_s
+        if upto > self._expired_upto:
+            self._expired_upto = upto
+            heap = self._end_heap
+            while heap and heap[0][0] <= upto:
+                end, flow = heapq.heappop(heap)
+                e = self._entries.get(flow)
+                if e is None or e.end != end:
+                    continue
+                self._live.discard(flow)
+                if not e.held:
+                    continue
+                self._unhold(flow, self.links(e.msg, e.path))  # type: ignore[arg-type]
+                if e.released is None:
+                    self.counters.expired += 1
+                    expired.append(flow)
+            while self._expiry_heap and self._expiry_heap[0][0] <= upto:
+                heapq.heappop(self._expiry_heap)  # handled above through the end heap
+        horizon = now - self.retention_s
+        if horizon > self._horizon:
+            self._horizon = horizon
+            self._forget(horizon)
+        return expired
+
+    def _forget(self, horizon: float) -> None:
+        heap = self._purge_heap
+        while heap and heap[0][0] < horizon:
+            end, flow = heapq.heappop(heap)
+            e = self._entries.get(flow)
+            if e is None or e.end != end:
+                continue
+            if e.held:  # unreachable: the grace is shorter than the retention
+                self._unhold(flow, self.links(e.msg, e.path))  # type: ignore[arg-type]
+            del self._entries[flow]
+            n = self._per_owner[flow[0]] - 1
+            if n:
+                self._per_owner[flow[0]] = n
+            else:
+                del self._per_owner[flow[0]]
+            self._live.discard(flow)
+            self._digest_set(flow, None)
+            i = bisect_left(self._keys, e.msg.key)
+            del self._keys[i]
+            # Later reservations that started while this one was active keep the
+            # assignment it helped decide.
+            keys = self._keys
+            while i < len(keys) and keys[i][0] < end:
+                self._entries[(keys[i][1], keys[i][2])].frozen = True
+                i += 1
+        for d in (self._early_release, self._early_renew):
+            for f in [f for f, t in d.items() if (t if isinstance(t, float) else t.ts) < horizon]:
+                del d[f]
+                self._early_gone(f)
+
+    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]]) -> Changed:
+        """Take a peer's frozen assignments (a joiner cannot recompute them itself)."""
+        self.settle()
+        changed = False
+        for f, (path, shared) in assignments.items():
+            e = self._entries.get(f)
+            if e is None or e.frozen:
+                continue
+            if path is not None and not 0 <= path < self.routes.n_paths(e.msg.src, e.msg.dst):
+                self.counters.invalid += 1
+                continue
+            e.path, e.shared, e.frozen = path, shared, True
+            changed = True
+        return self.recompute() if changed else []
+
+    def next_deadline(self) -> float:
+        """The earliest instant at which :meth:`tick` has work (``inf``: none).
+
+        A lease that runs out stops holding links ``expiry_grace_s`` after it; a
+        reservation is forgotten once it ended more than ``retention_s`` ago. Forgetting
+        only bounds memory, so it waits ``purge_slack_s`` longer and happens in batches.
+        Heap tops may be stale (an entry renewed or released since); waking for one costs
+        one empty tick, after which the deadline moves on.
+        """
+        t = INF
+        if self._expiry_heap:
+            t = deadline_after(self._expiry_heap[0][0], self.expiry_grace_s, strict=False)
+        if self._end_heap:
+            t = min(t, deadline_after(self._end_heap[0][0], self.expiry_grace_s + self.purge_slack_s, strict=False))
+        if self._purge_heap:
+            t = min(t, deadline_after(self._purge_heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
+        if self._early_release or self._early_renew:
+            early = min([*self._early_release.values(), *(r.ts for r in self._early_renew.values())])
+            t = min(t, deadline_after(early, self.retention_s + self.purge_slack_s, strict=True))
+        return t
+
+    def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
+        """Assignments that can no longer be recomputed here (see :class:`Entry` ``frozen``)."""
+        self.settle()
+        return {f: (e.path, e.shared) for f, e in self._entries.items() if e.frozen}
+
+    def snapshot(self) -> list[Message]:
+        """Every message this replica holds, for a peer that (re)joins.
+
+        The table is a function of the message set, so a replica that applies these
+        converges to this one's table.
+        """
+        self.settle()
+        out: list[Message] = []
+        for key in self._keys:
+            e = self._entries[(key[1], key[2])]
+            out.append(e.msg)
+            if e.expires > e.msg.expires:
+                out.append(Renew(e.msg.flow, max(e.renew_ts, e.msg.ts), e.expires))
+            if e.released is not None:
+                out.append(Release(e.msg.flow, e.released))
+        out.extend(Release(f, t) for f, t in self._early_release.items())
+        out.extend(self._early_renew.values())
+        return out
+
+    def table(self, at: float | None = None) -> dict[FlowId, tuple[int, bool]]:
+        """Reservations holding links: flow -> (path, shared).
+
+        ``at=None``: what this replica counts as held now (leases expire after the grace).
+        ``at=T``: exactly the reservations that hold links at instant ``T``, a pure function
+        of the messages held (for comparing replicas whose clocks differ).
+        """
+        self.settle()
+        if at is None:
+            return {f: (e.path, e.shared) for f, e in self._entries.items() if e.held and e.path is not None}
+        return {
+            f: (e.path, e.shared)
+            for f, e in self._entries.items()
+            if e.path is not None and e.msg.ts <= at < e.end
+        }
+
+    def entries(self) -> dict[FlowId, tuple[Reserve, float | None, int | None, bool]]:
+        """Everything the replica knows: flow -> (reserve, released ts, path, shared)."""
+        self.settle()
+        return {f: (e.msg, e.released, e.path, e.shared) for f, e in self._entries.items()}
+
+    def state_digest(self, since: float, until: float = INF, owner: int | None = None) -> bytes:
+        """Digest of what this replica knows about reservations (of ``owner``, or of every
+        host) ending in [``since``, ``until``): (flow, end) pairs. Equal message sets give
+        equal digests.
+
+        Bounds are rounded down to 100 ms. A window that closes a little in the past
+        ignores what is still in flight or still being renewed."""
+        # XOR of per-entry hashes kept per 100 ms of end time: order-free and cheap.
+        # Python's hash of ints and floats is not salted, so every process computes
+        # the same value.
+        lo = _bucket_of(since)
+        hi = _NO_END_BUCKET + 1 if until == INF else _bucket_of(until)
+        owners = self._digest_buckets.values() if owner is None else [self._digest_buckets.get(owner, {})]
+        x = 0
+        for buckets in owners:
+            for b, v in buckets.items():
+                if lo <= b < hi:
+                    x ^= v
+        return (x & 0xFFFFFFFFFFFFFFFF).to_bytes(8, "big")
+
+    def end_of(self, flow: FlowId) -> float | None:
+        """The end of a known reservation (min of release and lease expiry)."""
+        e = self._entries.get(flow)
+        return None if e is None else e.end
+
+    def digest(self, at: float | None = None) -> str:
+        """Order-independent digest of :meth:`table` (paths, not ports)."""
+        h = hashlib.sha256()
+        t = self.table(at)
+        for f in sorted(t):
+            p, s = t[f]
+            h.update(f"{f[0]}:{f[1]}:{p}:{int(s)};".encode())
+        return h.hexdigest()[:16]
+
+    def link_holders(self) -> dict[int, frozenset[FlowId]]:
+        self.settle()
+        return {lk: frozenset(s) for lk, s in self._holders.items() if s}
+
+    def exclusive_conflicts(self, at: float | None = None) -> list[int]:
+        """Links held by two flows of which one claims them alone (must stay empty).
+
+        ``at``: judge the reservations active at that instant (see :meth:`table`).
+        """
+        users: dict[int, list[bool]] = {}
+        for f, (path, shared) in self.table(at).items():
+            for lk in self.links(self._entries[f].msg, path):
+                users.setdefault(lk, []).append(shared)
+        return sorted(lk for lk, sh in users.items() if len(sh) > 1 and not all(sh))
+
+    def stage_list(self, src: int, dst: int) -> tuple[tuple[int, ...], ...]:
+        stages = self._stage_cache.get((src, dst))
+        if stages is not None:
+            return stages
+        stages = self._stage_cache[(src, dst)] = self.routes.stages(src, dst)
+        idx = self._stages
+        sids = []
+        for st in stages:
+            sid = idx.ids.get(st)
+            if sid is None:
+                sid = idx.ids[st] = len(idx.masks)
+                m = 0
+                for k, lk in enumerate(st):
+                    idx.by_link.setdefault(lk, []).append((sid, k))
+                    if self._holders.get(lk):
+                        m |= 1 << k
+                idx.masks.append(m)
+            sids.append(sid)
+        idx.pair_sids[(src, dst)] = tuple(sids)
+        return stages
+
+    def _valid_reserve(self, msg: Reserve) -> bool:
+        n = self.n_hosts
+        if not (0 <= msg.src < n and 0 <= msg.dst < n and msg.src != msg.dst):
+            return False
+        return msg.path < self.routes.n_paths(msg.src, msg.dst)
+
+    def links(self, msg: Reserve, path: int) -> tuple[int, ...]:
+        return tuple(st[path] for st in self.stage_list(msg.src, msg.dst))
+
+    def _hold(self, flow: FlowId, links: Sequence[int]) -> None:
+        self._entries[flow].held = True
+        for lk in links:
+            s = self._holders.get(lk)
+            if s is None:
+                s = self._holders[lk] = set()
+            if not s:
+                for sid, k in self._stages.by_link.get(lk, ()):
+                    self._stages.masks[sid] |= 1 << k
+            s.add(flow)
+
+    def _unhold(self, flow: FlowId, links: Sequence[int]) -> None:
+        self._entries[flow].held = False
+        for lk in links:
+            s = self._holders[lk]
+            s.discard(flow)
+            if not s:
+                for sid, k in self._stages.by_link.get(lk, ()):
+                    self._stages.masks[sid] &= ~(1 << k)
+
+    def assign(self, msg: Reserve, held: Callable[[int], bool]) -> tuple[int | None, bool]:
+        """Rule 1-3 of the module docstring, against a view of held links."""
+        stages = self.stage_list(msg.src, msg.dst)
+        if msg.shared:
+            return msg.path, True
+        if not any(held(st[msg.path]) for st in stages):
+            return msg.path, False
+        for k in range(len(stages[0])):
+            if not any(held(st[k]) for st in stages):
+                return k, False
+        if self.policy == "ark-balance":
+            return msg.path, True
+        return None, False
+
+    def _digest_set(self, flow: FlowId, end: float | None) -> None:
+        buckets = self._digest_buckets.get(flow[0])
+        if buckets is None:
+            buckets = self._digest_buckets[flow[0]] = {}
+        old = self._digest_of.pop(flow, None)
+        if old is not None:
+            b, h = old
+            v = buckets[b] ^ h
+            if v:
+                buckets[b] = v
+            else:
+                del buckets[b]
+        if end is not None:
+            b = _bucket_of(end)
+            h = hash((flow[0], flow[1], end))
+            buckets[b] = buckets.get(b, 0) ^ h
+            self._digest_of[flow] = (b, h)
+
+    def _push_end(self, entry: Entry) -> None:
+        end = entry.end
+        self._digest_set(entry.msg.flow, end)
+        if end > self._expired_upto:
+            self._live.add(entry.msg.flow)
+        else:
+            self._live.discard(entry.msg.flow)
+        if end != INF:
+            heapq.heappush(self._end_heap, (end, entry.msg.flow))
+            heapq.heappush(self._purge_heap, (end, entry.msg.flow))
+            if entry.released is None:
+                heapq.heappush(self._expiry_heap, (end, entry.msg.flow))
+
+    def _ended_before(self, msg: Reserve, t: float) -> bool:
+        if msg.expires == INF and msg.ts < t:
+            return True  # no lease: an unknown reservation that old cannot be judged
+        end = msg.expires
+        rel = self._early_release.get(msg.flow)
+        if rel is not None:
+            end = min(end, rel)
+        renew = self._early_renew.get(msg.flow)
+        if renew is not None and rel is None:
+            end = max(end, renew.expires)
+        return end < t
+
+    def _later_start_at_or_after(self, entry: Entry, t: float) -> bool:
+        """Is there a reservation with a larger key that started at or after ``t``?"""
+        last = self._keys[-1]
+        return last != entry.msg.key and last[0] >= t
+
+    def _evaluate(self, keys: Sequence[Key], sweep: _Sweep) -> list[tuple[Entry, int | None]]:
+        """Rules 1-3 for ``keys`` in order; returns (entry, old path) of those that moved."""
+        changed: list[tuple[Entry, int | None]] = []
+        held = sweep.held
+        for key in keys:
+            e = self._entries[(key[1], key[2])]
+            sweep.retire_until(key[0])
+            if not e.frozen:
+                old = (e.path, e.shared)
+                e.path, e.shared = self.assign(e.msg, lambda lk: held.get(lk, 0) > 0)
+                if (e.path, e.shared) != old:
+                    changed.append((e, old[0]))
+            if e.path is not None:
+                sweep.add(key, self.links(e.msg, e.path), e.end)
+        return changed
+
+    def link_backlog(self, link: int, now: float) -> float:
+        """Reserved bytes still to send on ``link`` at ``now`` (see :func:`backlog`)."""
+        holders = self._holders.get(link)
+        if not holders:
+            return 0.0
+        return backlog([self._entries[f].msg for f in holders], now)
+
+
+def backlog(msgs: Sequence[Reserve], now: float) -> float:
+    """Bytes the reservations ``msgs`` of one link still have to send at ``now``.
+
+    The link is modelled as a work-conserving queue fed by its live reservations (each
+    adds ``nbytes`` at its ``ts``) and drained at the reservations' path rate: sharing
+    between flows does not change how fast the link empties, so this needs no per-flow
+    rate guess.
+    """
+    if not msgs:
+        return 0.0
+    ordered = sorted(msgs, key=lambda m: m.key)
+    left, t_prev = 0.0, ordered[0].ts
+    for m in ordered:
+        rate = m.rate_bps / 8.0
+        left = max(0.0, left - rate * (m.ts - t_prev)) + m.nbytes
+        t_prev = m.ts
+    return max(0.0, left - ordered[-1].rate_bps / 8.0 * (now - t_prev))

@@ -1,0 +1,40 @@
+"""The commands of the 3-tier, scale and sweep work: JSON keys and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+from tests.cli.test_cli import ark, one_line_error
+
+
+def test_bench_scale_json_keys() -> None:
+    p = ark("bench", "scale", "--scheme", "ark", "--requests", "300", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    for k in ("gpus", "requests", "scheme", "wall_s", "peak_rss_mb", "events_per_s", "cpu_s", "baseline_s"):
+        assert k in r
+    assert (r["gpus"], r["requests"], r["scheme"], r["path_mismatches"]) == (1024, 300, "ark", 0)
+    assert 0 < r["peak_rss_mb"] < 4096 and r["events_per_s"] > 0
+
+
+def test_polarisation_json(tmp_path) -> None:
+    p = ark("polarisation", "--pairs", "2", "--qps", "20", "--requests", "40", "--seeds", "1", "--out", str(tmp_path),
+            "--jobs", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    shares = {(x["hash"], x["seeding"]): x["mean"] for x in r["reachability"]}
+    assert shares[("murmur3-hpcc", "one hash, one seed on every switch")] == 0.25
+    assert {x["fabric"] for x in r["fct"]} == {"polarised", "seed per switch"}
+    assert (tmp_path / "polarisation.png").exists() and (tmp_path / "polarisation.json").exists()
+
+
+def test_sweep_errors_are_one_line(tmp_path) -> None:
+    cfg = tmp_path / "a.toml"
+    cfg.write_text('[fabric]\npods = 2\nspines = 4\n')
+    one_line_error(ark("sweep", "--config", str(cfg), "--out", str(tmp_path / "o")), "fabric.pods", "3-tier")
+    one_line_error(ark("sweep", "--config", str(cfg), "--config", str(cfg), "--out", str(tmp_path / "o")),
+                   "fabric.pods")
+    ok = tmp_path / "b.toml"
+    ok.write_text('[workload]\nrequests = 5\nqps = [5]\n[experiment]\nschemes = ["ecmp"]\nseeds = 1\n')
+    one_line_error(ark("sweep", "--config", str(ok), "--config", str(ok), "--out", str(tmp_path / "o")),
+                   "two configs share a name")
