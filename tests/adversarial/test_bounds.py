@@ -49,7 +49,7 @@ def test_far_future_releases_of_unknown_flows_are_not_kept() -> None:
     for k in range(5000):
         n.on_message(0, data(0, k + 1, Release((0, 10**6 + k), 1e6)), 10.0)
         n.on_message(0, data(0, 10_000 + k, Release((0, 2 * 10**6 + k), 11.0)), 10.0)
-    assert len(n.core._early_release) <= CoreLimits().max_early_per_host
+    assert n.core.reservations.early_messages() <= CoreLimits().max_early_per_host
     assert n.counters.out_of_window == 5000 and n.core.counters.overflow >= 5000 - CoreLimits().max_early_per_host
 
 

@@ -216,6 +216,11 @@ class ArkCore:
             Reserve: self._on_reserve, Release: self._on_release, Renew: self._on_renew,
         }
 
+    @property
+    def reservations(self) -> ReservationTable:
+        """The reservation table this core judges against (shared in the simulator)."""
+        return self._table
+
     # ------------------------------------------------------------------ owner API
     def request(
         self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,

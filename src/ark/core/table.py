@@ -274,6 +274,10 @@ class ReservationTable:
         """Reservations of ``host`` this replica holds."""
         return self._per_owner.get(host, 0)
 
+    def early_messages(self) -> int:
+        """Releases and renewals kept for flows whose reservation has not arrived yet."""
+        return len(self._early_release) + len(self._early_renew)
+
     def knows(self, flow: FlowId) -> bool:
         """Does this replica keep anything about ``flow`` (a reservation, an early message)?"""
         return flow in self._entries or flow in self._early_release or flow in self._early_renew
