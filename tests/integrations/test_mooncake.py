@@ -182,6 +182,7 @@ from ark.agent.cluster import load
 from ark.integrations.mooncake import SteeredTransferEngine
 
 info, api, cluster, dport = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+hold = int(sys.argv[5])  # how many of path 0's ports to hold (0: all of them)
 cl = load(cluster)
 bucket = cl.pathmaps()(cl.host("gpu0").index, cl.host("gpu1").index, dport).buckets[0].tolist()
 def bindable(p):
@@ -192,11 +193,15 @@ def bindable(p):
             return False
     return True
 
+if not hold:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, len(bucket) + 1024), hard))
 held = []
-for p in bucket[:4]:  # the ports the lease and its first more_ports will hand out: all taken
+for p in bucket[:hold or len(bucket)]:  # the ports the lease and its first more_ports will hand out: all taken
     if bindable(p):
         s = socket.socket(); s.bind(("0.0.0.0", p)); held.append(s)
-free = [p for p in bucket[4:12] if bindable(p)]
+free = [p for p in bucket[hold:12] if bindable(p)] if hold else []
 eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"})
 assert eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
 n = 4 << 20
@@ -207,7 +212,8 @@ rc = eng.batch_transfer_sync_write(f"127.0.0.2:{info['rpc']}", [src.ctypes.data 
                                    [info["addr"] + i * q for i in range(4)], [q] * 4)
 t = eng.last_transfer()
 print(json.dumps({"rc": rc, "bucket": bucket[:12], "free": free, "ports": t.ports, "port_paths": t.port_paths, "path": t.lease.path,
-                  "conns": [[c.sport, c.steered] for c in t.connections], "resolves": t.stats.resolves}))
+                  "conns": [[c.sport, c.steered] for c in t.connections], "resolves": t.stats.resolves,
+                  "reserved": t.lease.reserved, "steered": t.steered, "error": t.error}))
 """
 
 
@@ -228,22 +234,35 @@ def test_with_every_path_taken_the_connections_are_left_to_ecmp(agents, tmp_path
         assert len({c[0] for c in out["batch"]["conns"]}) == 4
 
 
-def test_held_ports_are_stepped_over_with_more_ports_of_the_same_path(agents, tmp_path) -> None:
-    procs, _cl, _names = agents
+def _write_with_ports_held(procs, tmp_path, hold):
     lo = _free_pair()
     p, info, done = _receiver(tmp_path, {"MC_MIN_RPC_PORT": str(lo), "MC_MAX_RPC_PORT": str(lo + 1)})
     data_port = 2 * lo + 1 - info["rpc"]  # Mooncake took the other port of the pair for data
     res = subprocess.run([sys.executable, "-c", HELD, json.dumps(info), procs.api("gpu0"), str(procs.cluster_file),
-                          str(data_port)], capture_output=True, text=True, env=preload.preload_env(), timeout=120,
-                         check=False)
+                          str(data_port), str(hold)], capture_output=True, text=True, env=preload.preload_env(),
+                         timeout=120, check=False)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["rc"] == 0 and _verified(p, done, 4 << 20)
+    return out
+
+
+def test_held_ports_are_stepped_over_with_more_ports_of_the_same_path(agents, tmp_path) -> None:
+    procs, _cl, _names = agents
+    out = _write_with_ports_held(procs, tmp_path, 4)
     b = out["bucket"]
     # The lease and its 3 more ports are held: the resolver is called again and gets 4 + 4 spares.
     assert out["path"] == 0 and out["ports"] == b[:12] and out["resolves"] == 2
     assert {int(k): v for k, v in out["port_paths"].items()} == dict.fromkeys(b[:12], 0)
     assert len(out["free"]) >= 4 and out["conns"] == [[port, True] for port in out["free"][:4]]
+
+
+def test_with_every_port_of_the_path_held_the_transfer_says_why_it_went_unsteered(agents, tmp_path) -> None:
+    procs, _cl, _names = agents
+    out = _write_with_ports_held(procs, tmp_path, 0)  # every port of path 0: as after a burst (TIME_WAIT)
+    assert out["path"] == 0 and out["reserved"] and not out["steered"]
+    assert out["conns"] and all(c[1] is False for c in out["conns"])  # each went out on an ephemeral port
+    assert "in use on this host (TIME_WAIT)" in out["error"] and f"of path {out['path']}" in out["error"]
 
 
 def _free_pair() -> int:

@@ -125,6 +125,16 @@ def _byte_count(lengths: Sequence[Any]) -> int:
     return sum(lengths)
 
 
+def _ports_exhausted(t: Transfer) -> str:
+    """Why connections of a reserved transfer went out unbound: every port the agent could
+    give was held on this host (each closed connection keeps its port in TIME_WAIT for 60 s)."""
+    assert t.stats is not None and t.lease is not None
+    return (f"{t.stats.fallback} of {len(t.connections)} connections went out unsteered: all {len(t.ports)} ports "
+            f"of path {t.lease.path} the agent could give were in use on this host (TIME_WAIT); a path sustains "
+            "about its port count / 60 connections per second towards one peer's data port, so probe more "
+            "source ports (a wider port range or a larger sample)")
+
+
 class SteeredTransferEngine:
     """A drop-in for ``mooncake.engine.TransferEngine`` whose writes take ARK leases.
 
@@ -199,6 +209,9 @@ class SteeredTransferEngine:
                 if rule.resolver_error is not None:
                     t.error = f"{type(rule.resolver_error).__name__}: {rule.resolver_error}"
                     log.warning("transfer to %s went out unsteered: %s", target_hostname, t.error)
+                elif t.error is None and t.lease is not None and t.lease.reserved and t.stats.fallback:
+                    t.error = _ports_exhausted(t)
+                    log.warning("transfer to %s went out partly unsteered: %s", target_hostname, t.error)
                 rule.close()
                 self._local.last = t
                 if t.lease is not None:
