@@ -133,3 +133,36 @@ def test_any_reservation_fields_are_checked_before_they_count(fields: list) -> N
     if after != before:  # it was a valid reservation of host 0, within the window and the cap
         (f, (path, _)), = n.core.table().items()
         assert f[0] == 0 and 0 <= path < 4 and math.isfinite(fields[4]) and abs(fields[4] - 10.0) <= 5.0
+
+
+def test_snapshot_parts_stay_under_the_envelope_limit_with_every_frozen_assignment() -> None:
+    """However many messages and frozen assignments a snapshot holds, each part decodes
+    (the largest messages, the widest assignments), messages come first and every frozen
+    assignment is sent once, from the last part with messages on."""
+    from ark.core.envelope import (
+        K_SYNC_REP,
+        MAX_ENVELOPE_BYTES,
+        SYNC_FROZEN_PER_PART,
+        SYNC_ITEMS_PER_PART,
+        decode_envelope,
+        sync_parts,
+    )
+    from ark.core.messages import MAX_MESSAGE_BYTES
+
+    widest = [2**32 - 1, 2**63 - 1, 65535, True]
+    for n_items, n_frozen in [(0, 0), (0, 9000), (SYNC_ITEMS_PER_PART + 1, 10), (2 * SYNC_ITEMS_PER_PART, 3 * SYNC_FROZEN_PER_PART + 1)]:
+        items = [(bytes(MAX_MESSAGE_BYTES), bytes(64))] * n_items
+        frozen = [list(widest) for _ in range(n_frozen)]
+        parts = list(sync_parts(items, frozen))
+        got_items = got_frozen = 0
+        for part, total, chunk, fchunk in parts:
+            assert total == len(parts)
+            raw = encode_envelope(K_SYNC_REP, 3, 1, 9, [chunk, 1.0, fchunk, part, total])
+            assert len(raw) <= MAX_ENVELOPE_BYTES
+            decode_envelope(raw)
+            if fchunk and not got_frozen:  # the first assignments ride in the last part with messages
+                assert part == max(1, -(-n_items // SYNC_ITEMS_PER_PART)) - 1
+            assert not (got_frozen and chunk)  # no message after an assignment
+            got_items += len(chunk)
+            got_frozen += len(fchunk)
+        assert (got_items, got_frozen) == (n_items, n_frozen)

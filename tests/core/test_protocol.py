@@ -264,3 +264,19 @@ def test_reservation_keys_are_a_strict_total_order(times, hosts) -> None:
     assert len(set(keys)) == len(keys)
     s = sorted(keys)
     assert all(a < b for a, b in itertools.pairwise(s))
+
+
+def test_a_frozen_assignment_gives_way_only_to_the_owners_word() -> None:
+    from ark.core.table import ReservationTable
+
+    t = ReservationTable(PAPER)
+    f = (3, 1)
+    t.receive(Reserve(f, 1.0, 3, 12, 4791, 0, 50000, 10**9, 1e11))
+    t.adopt({f: (1, False)})  # a peer's word: taken, frozen
+    assert t.frozen() == {f: (1, False)}
+    t.adopt({f: (2, False)})  # another peer's word does not move a frozen entry
+    assert t.frozen() == {f: (1, False)}
+    t.adopt({f: (3, True)}, owners_word={f})  # the owner's does
+    assert t.frozen() == {f: (3, True)} and t.table()[f] == (3, True)
+    t.adopt({f: (9, False)}, owners_word={f})  # out of range: counted, dropped
+    assert t.frozen() == {f: (3, True)} and t.counters.invalid == 1

@@ -94,3 +94,32 @@ def test_scoped_decisions_equal_full_broadcast(pairs, ops, policy) -> None:
     while tw.pending:
         tw.deliver(rng.randrange(len(tw.pending)), now)
     tw.check()
+
+
+def test_a_scoped_node_reserves_and_keeps_only_what_lies_in_its_links() -> None:
+    """Out of scope: its own requests go to plain ECMP; a peer's reservation, published or
+    relayed in a snapshot, is dropped and counted, and never enters the table."""
+    from ark.core.envelope import K_DATA, K_SYNC_REP, encode_envelope
+    from ark.core.lease import LeasePolicy
+    from ark.core.messages import Reserve, encode
+    from ark.core.node import Node
+
+    links = scope_of(FAB, [(0, 2), (1, 3)]).links(0)  # leaf 0 -> leaf 1
+    n = Node(0, FAB, MAPS, [1, 3, 5], incarnation=1, lease=LeasePolicy(1.0, 2.0, 600.0), scope_links=links)
+    n.start(0.0)
+    n.tick(2.0)  # nobody answered: ready anyway
+    inside, _ = n.reserve(2, 10**9, 3.0)
+    outside, outs = n.reserve(4, 10**9, 3.0)  # leaf 2's downlinks: nobody here hears about them
+    assert inside.reserved and not outside.reserved and outs == [] and n.counters.out_of_scope == 1
+
+    def reserve(src: int, dst: int, seq: int) -> bytes:
+        return encode(Reserve((src, seq), 3.0, src, dst, 4791, 0, 50_000, 10**9, 1e11, expires=4.0))
+
+    n.on_message(5, encode_envelope(K_DATA, 5, 1, 1, [reserve(5, 1, 1), b""]), 3.0)  # leaf 2 -> leaf 0
+    n.on_message(1, encode_envelope(K_DATA, 1, 1, 1, [reserve(1, 3, 1), b""]), 3.0)  # in scope: taken
+    assert n.counters.out_of_scope == 2 and (1, 1) in n.core.table() and (5, 1) not in n.core.table()
+    # The same out-of-scope reservation relayed by a peer's snapshot: dropped as well.
+    n.tick(3.0)
+    n._request_sync(3, 3.0)  # a sync in flight to peer 3, so its reply is taken
+    n.on_request(3, encode_envelope(K_SYNC_REP, 3, 1, 0, [[[reserve(5, 1, 2), b""]], 3.0, [], 0, 1]), 3.0)
+    assert n.counters.out_of_scope == 3 and (5, 2) not in n.core.entries()

@@ -55,7 +55,8 @@ def _cert(kind: str, public: str, secret: str | None) -> str:
 
 
 def signing_key(curve_secret: bytes) -> nacl.signing.SigningKey:
-    """The Ed25519 key derived from a CURVE secret key (Z85 text or raw bytes)."""
+    """The Ed25519 key derived from a CURVE secret key, given as the bytes of its Z85 text
+    (as key files hold it): the same secret in another form derives another key."""
     return nacl.signing.SigningKey(hashlib.blake2b(curve_secret, key=_SIGN_LABEL, digest_size=32).digest())
 
 

@@ -36,8 +36,12 @@ MAX_AHEAD_LIST = 4096
 _U32 = 0xFFFFFFFF
 _U63 = 2**63 - 1
 _ITEM_BYTES = MAX_MESSAGE_BYTES + SIGNATURE_BYTES + 16
-# A part of a snapshot: this many signed messages keep it under the envelope limit.
-SYNC_ITEMS_PER_PART = (MAX_ENVELOPE_BYTES - 4096) // _ITEM_BYTES
+# A frozen assignment [owner, seq, path, shared]: at most 1 + 5 + 9 + 3 + 1 msgpack bytes.
+_FROZEN_BYTES = 24
+SYNC_FROZEN_PER_PART = 4096
+# A part of a snapshot: this many signed messages and frozen assignments keep it under the
+# envelope limit.
+SYNC_ITEMS_PER_PART = (MAX_ENVELOPE_BYTES - 4096 - SYNC_FROZEN_PER_PART * _FROZEN_BYTES) // _ITEM_BYTES
 
 SignedMessage = tuple[bytes, bytes]  # (message bytes, signature or b"")
 
@@ -56,11 +60,19 @@ def encode_envelope(kind: int, sender: int, incarnation: int, seq: int, payload:
     return out
 
 
-def sync_parts(items: Sequence[SignedMessage]) -> Iterator[tuple[int, int, list[list[bytes]]]]:
-    """(part, parts, items) for a snapshot, at most :data:`SYNC_ITEMS_PER_PART` per part."""
-    n = max(1, math.ceil(len(items) / SYNC_ITEMS_PER_PART))
+def sync_parts(items: Sequence[SignedMessage], frozen: Sequence[list[Any]] = ()
+               ) -> Iterator[tuple[int, int, list[list[bytes]], list[list[Any]]]]:
+    """(part, parts, items, frozen) for a snapshot: at most :data:`SYNC_ITEMS_PER_PART`
+    messages and :data:`SYNC_FROZEN_PER_PART` frozen assignments a part. Frozen assignments
+    start in the last part that carries messages and go on in parts of their own: a receiver
+    takes one only for a reservation it already holds, so they come after every message."""
+    ipp, fpp = SYNC_ITEMS_PER_PART, SYNC_FROZEN_PER_PART
+    item_parts = max(1, math.ceil(len(items) / ipp))
+    n = item_parts + max(0, math.ceil(len(frozen) / fpp) - 1)
     for i in range(n):
-        yield i, n, [[m, s] for m, s in items[i * SYNC_ITEMS_PER_PART:(i + 1) * SYNC_ITEMS_PER_PART]]
+        k = i - (item_parts - 1)  # the frozen chunk of this part (from the last message part on)
+        yield (i, n, [[m, s] for m, s in items[i * ipp:(i + 1) * ipp]],
+               list(frozen[k * fpp:(k + 1) * fpp]) if k >= 0 else [])
 
 
 def decode_envelope(data: bytes) -> Envelope:
@@ -70,7 +82,7 @@ def decode_envelope(data: bytes) -> Envelope:
     try:
         body = msgpack.unpackb(
             data, raw=False, max_map_len=0, max_ext_len=0, max_str_len=0, strict_map_key=True,
-            max_bin_len=MAX_MESSAGE_BYTES, max_array_len=max(SYNC_ITEMS_PER_PART, MAX_AHEAD_LIST) + 8,
+            max_bin_len=MAX_MESSAGE_BYTES, max_array_len=max(SYNC_ITEMS_PER_PART, SYNC_FROZEN_PER_PART, MAX_AHEAD_LIST) + 8,
         )
     except Exception as e:  # garbage of any kind is malformed
         raise ProtocolError(f"envelope: not valid msgpack ({type(e).__name__})") from None
@@ -123,7 +135,7 @@ def _frozen_ok(x: Any) -> bool:
 def _check_sync_reply(p: Any) -> None:
     if not (isinstance(p, list) and len(p) == 5 and isinstance(p[0], list) and len(p[0]) <= SYNC_ITEMS_PER_PART
             and all(_is_signed(x) for x in p[0]) and _finite(p[1]) and isinstance(p[2], list)
-            and all(_frozen_ok(x) for x in p[2]) and type(p[3]) is int and type(p[4]) is int
+            and len(p[2]) <= SYNC_FROZEN_PER_PART and all(_frozen_ok(x) for x in p[2]) and type(p[3]) is int and type(p[4]) is int
             and 0 <= p[3] < p[4] <= 1 << 20):
         raise ProtocolError("envelope payload: sync reply needs [[[bytes, sig]...], sent_at, "
                             "[[owner, seq, path, shared]...], part, parts]")

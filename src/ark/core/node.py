@@ -287,12 +287,12 @@ class Node:
             raise NotReady("node: resynchronising with peers; retry shortly")
         if len(self._local) >= self.limits.max_local_flows:
             raise CoreError(f"flows: {len(self._local)} local flows are live (the limit); release some first")
-        if self.skewed:
-            self.counters.fenced_requests += 1
         in_scope = self._covers(self.host, dst)
+        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=in_scope and not self.skewed)
         if not in_scope:
             self.counters.out_of_scope += 1
-        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=in_scope and not self.skewed)
+        elif self.skewed and self.core.routes.stages(self.host, dst):  # a flow within a leaf reserves nothing anyway
+            self.counters.fenced_requests += 1
         self.events.extend(dec.events)
         expires = self._expiry(dec.flow, now, nbytes)
         self._local[dec.flow] = _Local(dst, dport, nbytes, expires)
@@ -418,6 +418,10 @@ class Node:
         if not (abs(sent_at - now) <= w and now - 3 * w <= since <= until <= now + w):
             self.counters.invalid += 1
             self.counters.out_of_window += 1
+            if st.incarnation is None or env.incarnation >= st.incarnation:
+                # A clock this far off is what the clock watch is there to judge: take the
+                # sample (and the peer's list of clocks ahead of its own), nothing else.
+                self.clock.hello(peer, now, sent_at, ahead, self.host)
             return []
         out = self._contact(peer, st, env, now)
         if out is None:
@@ -472,18 +476,23 @@ class Node:
             return
         if not self._timely(msg, now, direct=True):
             return
-        if isinstance(msg, Reserve) and not self._covers(msg.src, msg.dst):
-            self.counters.invalid += 1
-            self.counters.out_of_scope += 1
+        if not self._in_our_scope(msg):
             return
         before = self.core.counters.invalid
         self.events.extend(self.core.receive(msg, now, sender=peer, defer=True))
         if self.core.counters.invalid > before:
-            self.counters.invalid += 1
-            return
+            return  # the core counted it (the node's count is of what never reached the core)
         self._keep_signature(msg, raw, sig)
         if isinstance(msg, Reserve):
             self.propagation_s.append(now - msg.ts)
+
+    def _in_our_scope(self, msg: Message) -> bool:
+        """A reservation outside our scope (of links we cannot hold) is refused and counted."""
+        if isinstance(msg, Reserve) and not self._covers(msg.src, msg.dst):
+            self.counters.invalid += 1
+            self.counters.out_of_scope += 1
+            return False
+        return True
 
     def _covers(self, src: int, dst: int) -> bool:
         """Do all links a ``src`` -> ``dst`` reservation could hold lie in our scope?"""
@@ -519,8 +528,8 @@ class Node:
         frozen = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items()]
         return [
             Send(peer, encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq,
-                                       [chunk, float(now), frozen if part == parts - 1 else [], part, parts]))
-            for part, parts, chunk in sync_parts(items)
+                                       [chunk, float(now), frozen_chunk, part, parts]))
+            for part, parts, chunk, frozen_chunk in sync_parts(items, frozen)
         ]
 
     def _on_sync_reply(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
@@ -680,7 +689,7 @@ class Node:
             except ProtocolError:
                 self.counters.invalid += 1
                 continue
-            if self._takes(peer, m, raw, sig) and self._timely(m, now, direct=False):
+            if self._takes(peer, m, raw, sig) and self._timely(m, now, direct=False) and self._in_our_scope(m):
                 msgs.append((m, raw, sig))
         # Reservations first (in key order), then renewals and releases.
         msgs.sort(key=lambda x: (0, x[0].key) if isinstance(x[0], Reserve) else (1, (x[0].ts, 0, 0)))
@@ -688,15 +697,17 @@ class Node:
             self.core.receive(m, now, sender=m.flow[0], defer=True)
             self._keep_signature(m, raw, sig)
         self.events.extend(self.core.flush())
-        agreed = self._vote_frozen(peer, frozen)
+        agreed, owners = self._vote_frozen(peer, frozen)
         if agreed:
-            self.events.extend(self.core.adopt(agreed))
+            self.events.extend(self.core.adopt(agreed, owners))
 
-    def _vote_frozen(self, peer: int, frozen: list[list[Any]]) -> dict[FlowId, tuple[int | None, bool]]:
+    def _vote_frozen(self, peer: int, frozen: list[list[Any]]) -> tuple[dict[FlowId, tuple[int | None, bool]], set[FlowId]]:
         """Assignments the peer can no longer recompute (an overlapping reservation was
-        forgotten there), to take as they are. A joiner cannot check them, so a peer's word
-        is taken; the flow's owner's word, once heard, wins over any other peer's."""
+        forgotten there), to take as they are, and the flows among them whose owner spoke.
+        A joiner cannot check them, so a peer's word is taken; the flow's owner's word, once
+        heard, wins over any other peer's (even one taken before)."""
         agreed: dict[FlowId, tuple[int | None, bool]] = {}
+        owners: set[FlowId] = set()
         for o, q, p, sh in frozen:
             f = (o, q)
             if not self.core.knows(f):
@@ -704,7 +715,9 @@ class Node:
             votes = self._frozen_votes.setdefault(f, {})
             votes[peer] = (None if p < 0 else p, sh)
             agreed[f] = votes.get(o, votes[peer])
-        return agreed
+            if o in votes:
+                owners.add(f)
+        return agreed, owners
 
     def _takes(self, peer: int, m: Message, raw: bytes, sig: bytes) -> bool:
         owner = m.flow[0]

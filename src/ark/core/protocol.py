@@ -66,7 +66,7 @@ table change touched (:meth:`ArkCore.sync`, :meth:`ArkCore.resync`).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -559,9 +559,11 @@ class ArkCore:
         self._settle()
         return self._table.frozen()
 
-    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]]) -> list[Repath]:
-        """Take a peer's frozen assignments (a joiner cannot recompute them itself)."""
-        return self.sync(self._table.adopt(assignments))
+    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]],
+              owners_word: Collection[FlowId] = ()) -> list[Repath]:
+        """Take a peer's frozen assignments (a joiner cannot recompute them itself); those
+        in ``owners_word`` replace an assignment already taken from another peer."""
+        return self.sync(self._table.adopt(assignments, owners_word))
 
     def _recompute(self) -> list[Repath]:
         self._settle()

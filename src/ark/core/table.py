@@ -15,7 +15,7 @@ import hashlib
 import heapq
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -585,13 +585,17 @@ class ReservationTable:
                 del d[f]
                 self._early_gone(f)
 
-    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]]) -> Changed:
-        """Take a peer's frozen assignments (a joiner cannot recompute them itself)."""
+    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]],
+              owners_word: Collection[FlowId] = ()) -> Changed:
+        """Take a peer's frozen assignments (a joiner cannot recompute them itself).
+
+        An entry already frozen keeps its assignment unless the flow is in ``owners_word``
+        (its owner said so): the owner's word replaces any other peer's."""
         self.settle()
         changed = False
         for f, (path, shared) in assignments.items():
             e = self._entries.get(f)
-            if e is None or e.frozen:
+            if e is None or (e.frozen and (f not in owners_word or (e.path, e.shared) == (path, shared))):
                 continue
             if path is not None and not 0 <= path < self.routes.n_paths(e.msg.src, e.msg.dst):
                 self.counters.invalid += 1
