@@ -177,6 +177,35 @@ def bench_agent(messages: int, rate: float, as_json: bool) -> None:
                         f"CPU per received message ({r['cpu_s_by_thread']})")
 
 
+@bench.command("control-plane")
+@click.option("--hosts", "hosts_csv", default="16,256,1024,4096", show_default=True,
+              help="Comma-separated cluster sizes: 16 or multiples of 128.")
+@click.option("--placement", "placements", multiple=True, type=click.Choice(["paired", "cross-pod", "any"]),
+              help="Who sends to whom (repeat; default: all three).")
+@click.option("--flows", type=click.IntRange(100, 10**6), default=2000, show_default=True,
+              help="Simulated flows per size and placement.")
+@click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
+@click.option("--measure/--no-measure", default=True, show_default=True,
+              help="Measure the agent's costs first (about a minute); else use --cost or the built-in figures.")
+@click.option("--cost", "cost_json", type=click.Path(exists=True, dir_okay=False),
+              help="A JSON file of AgentCost terms (the 'cost' object of an earlier --json run).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the figure here (PNG).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_control_plane(hosts_csv: str, placements: tuple[str, ...], flows: int, heartbeat: float, measure: bool,
+                        cost_json: str | None, plot_path: str | None, as_json: bool) -> None:
+    """Control messages, bytes and CPU per agent from 16 to 4,096 hosts, full broadcast vs
+    scoped dissemination, at the published per-GPU load."""
+    from ark.cli.control_plane import run_bench
+
+    res = run_bench(hosts_csv, placements, flows, heartbeat, measure, cost_json, plot_path)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    from ark.cli.control_plane import print_table
+
+    print_table(res)
+
+
 @bench.command("steer")
 @click.option("--connections", type=click.IntRange(1, 2000), default=2000, show_default=True, help="Connections per mode and round.")
 @click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True)

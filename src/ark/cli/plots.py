@@ -121,3 +121,30 @@ def polarisation(rows: Sequence[dict[str, Any]], out: Path) -> Path:
     fig.savefig(path, dpi=150)
     plt.close(fig)
     return path
+
+
+def control_plane(rows: Sequence[dict[str, Any]], out: Path) -> Path:
+    """Per-agent control-plane CPU (busiest agent) and received messages against cluster
+    size, one line per placement and dissemination."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    series = sorted({(r["placement"], r["mode"]) for r in rows})
+    for placement, mode in series:
+        pts = sorted((r["hosts"], r["cpu_percent_max"], r["received_per_s_max"]) for r in rows
+                     if (r["placement"], r["mode"]) == (placement, mode))
+        style = dict(linestyle="-" if mode == "scoped" else "--", marker="s" if mode == "scoped" else "o",
+                     label=f"{placement}, {mode}")
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], **style)
+        axes[1].plot([p[0] for p in pts], [max(p[2], 0.1) for p in pts], **style)
+    axes[0].axhline(5.0, color="#7f7f7f", linewidth=0.8, linestyle=":")
+    for ax, label in ((axes[0], "busiest agent's CPU (% of one core)"), (axes[1], "data messages received / s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("hosts (GPUs)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(frameon=False, fontsize=8)
+    fig.suptitle("reservation control plane: full broadcast vs scoped dissemination")
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+    return out

@@ -100,6 +100,9 @@ class SimResult:
     events: int
     spine_timeline: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
     control_messages: int = 0
+    # Messages each host sent (RESERVE, RELEASE, RENEW): what its peers receive under full
+    # broadcast, or the peers of its scope (see ark.sim.control_plane).
+    messages_by_host: list[int] = field(default_factory=list)
 
 
 class _Active:
@@ -187,6 +190,7 @@ class FluidSim:
         return SimResult(
             self.scheme, [self._results[f.id] for f in flows], sum(c.counters.races_lost for c in self.cores),
             self._fallbacks, self._mismatches, self._spine_max, self._events, self._timeline, self._messages,
+            list(self._sent_by_host),
         )
 
     def _reset(self, flows: Sequence[FlowSpec]) -> None:
@@ -207,6 +211,7 @@ class FluidSim:
         self._spine_max = [0] * n_top
         self._timeline: list[tuple[float, tuple[int, ...]]] = []
         self._mismatches = self._fallbacks = self._messages = self._events = 0
+        self._sent_by_host = [0] * self.fabric.n_hosts
         self._now = 0.0
         self._dirty = False
         self._pending = len(flows)
@@ -409,6 +414,7 @@ class FluidSim:
     # ------------------------------------------------------------------ helpers
     def _broadcast(self, src: int, msgs: Sequence[Message]) -> None:
         t, n = self._now, self.fabric.n_hosts
+        self._sent_by_host[src] += len(msgs)
         for m in msgs:
             self._messages += 1
             if self.table is not None:

@@ -1,0 +1,117 @@
+"""``ark bench control-plane``: the cost model fed with measured agent costs, a table and a figure."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.table import Table
+
+from ark.cli.common import out
+from ark.sim.control_plane import AgentCost, ControlPlaneError, fabric_for, measure, table
+
+TARGET_PERCENT = 5.0  # of one core per agent
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers; got {text!r}", param_hint="--hosts") from None
+    for n in sizes:
+        try:
+            fabric_for(n)
+        except ControlPlaneError as e:
+            raise click.BadParameter(str(e), param_hint="--hosts") from None
+    if not sizes:
+        raise click.BadParameter("expected at least one size", param_hint="--hosts")
+    return sizes
+
+
+def _cost(measure_now: bool, cost_json: str | None) -> tuple[AgentCost, str, dict[str, Any] | None]:
+    if cost_json:
+        try:
+            terms = json.loads(Path(cost_json).read_text())
+            return AgentCost(**{k: float(terms[k]) for k in AgentCost.__dataclass_fields__}), cost_json, None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise click.BadParameter(f"{cost_json}: needs a JSON object with {', '.join(AgentCost.__dataclass_fields__)}"
+                                     f" ({type(e).__name__}: {e})", param_hint="--cost") from None
+    if not measure_now:
+        return AgentCost(), "built-in figures (ark.sim.control_plane.AgentCost)", None
+    from ark.agent.bench import control_costs
+
+    measured = control_costs()
+    terms = {k: measured[k] for k in AgentCost.__dataclass_fields__}
+    return AgentCost(**terms), "measured in this run", measured["measured"]
+
+
+def _budget(rows: list[dict[str, Any]], cost: AgentCost, heartbeat_s: float) -> dict[str, Any] | None:
+    """At the largest any-to-any size: what each term costs, and the per-message cost that
+    would fit the busiest agent in 5% of a core once heartbeats and fan-out cost nothing."""
+    anys = [r for r in rows if r["placement"] == "any" and r["mode"] == "scoped"]
+    if not anys:
+        return None
+    r = max(anys, key=lambda x: x["hosts"])
+    recv, peers = r["received_per_s_max"], r["peers_max"]
+    sent = recv / max(1, peers)  # a sender's own rate: what each of its peers sends, on average
+    terms = {"receive_percent": recv * cost.per_message_us / 1e4,
+             "fan_out_percent": sent * peers * cost.per_copy_us / 1e4,
+             "heartbeats_percent": peers / heartbeat_s * cost.per_peer_heartbeat_us / 1e4,
+             "base_percent": cost.base_percent}
+    room = TARGET_PERCENT - cost.base_percent
+    return {"hosts": r["hosts"], "target_percent": TARGET_PERCENT, **{k: round(v, 2) for k, v in terms.items()},
+            "per_message_us_needed": round(room * 1e4 / recv, 2) if recv > 0 else None,
+            "messages_per_s": recv}
+
+
+def run_bench(hosts_csv: str, placements: tuple[str, ...], flows: int, heartbeat_s: float, measure_now: bool,
+              cost_json: str | None, plot_path: str | None) -> dict[str, Any]:
+    sizes = _sizes(hosts_csv)
+    cost, source, calibration = _cost(measure_now, cost_json)
+    rows: list[dict[str, Any]] = []
+    for n in sizes:
+        for placement in placements or ("paired", "cross-pod", "any"):
+            if placement == "cross-pod" and n < 256:
+                continue  # one pod: nothing to cross
+            rows += table(measure(n, placement, flows=flows, cost=cost, heartbeat_s=heartbeat_s))
+    cut = {}
+    for n in sizes:
+        pair = {r["mode"]: r for r in rows if r["hosts"] == n and r["placement"] == "paired"}
+        if len(pair) == 2 and pair["scoped"]["cpu_percent_max"] > 0:
+            cut[str(n)] = round(pair["full"]["cpu_percent_max"] / pair["scoped"]["cpu_percent_max"], 1)
+    res: dict[str, Any] = {"cost": cost.__dict__, "cost_source": source, "heartbeat_s": heartbeat_s,
+                           "cpus": os.cpu_count(), "rows": rows, "paired_cpu_cut": cut,
+                           "any_to_any_budget": _budget(rows, cost, heartbeat_s), "calibration": calibration}
+    if plot_path:
+        from ark.cli.plots import control_plane
+
+        res["plot"] = str(control_plane(rows, Path(plot_path)))
+    return res
+
+
+def print_table(res: dict[str, Any]) -> None:
+    c = res["cost"]
+    t = Table(title=(f"control plane per agent (cost: {c['per_message_us']} us/message, {c['per_copy_us']} us/copy, "
+                     f"{c['per_peer_heartbeat_us']} us/peer heartbeat, base {c['base_percent']}%; {res['cost_source']})"))
+    cols = ("hosts", "placement", "mode", "agents", "peers", "msgs/s (max)", "hello/s", "KB/s", "CPU % mean",
+            "CPU % max", "races/1k", "propagation ms")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("placement", "mode") else "right")
+    for r in res["rows"]:
+        prop = "saturated" if r["propagation_ms"] is None else f"{r['propagation_ms']:.3f}"
+        t.add_row(str(r["hosts"]), r["placement"], r["mode"], str(r["agents"]), str(r["peers_max"]),
+                  f"{r['received_per_s_max']:.0f}", f"{r['heartbeats_per_s_max']:.0f}", f"{r['bytes_per_s_max'] / 1e3:.1f}",
+                  f"{r['cpu_percent_mean']:.2f}", f"{r['cpu_percent_max']:.2f}", f"{r['races_per_1000']:.2f}", prop)
+    out.print(t)
+    out.print("paired placement, busiest agent's CPU full / scoped: "
+              + ", ".join(f"{n} hosts {x}x" for n, x in res["paired_cpu_cut"].items()))
+    b = res["any_to_any_budget"]
+    if b:
+        out.print(f"any-to-any at {b['hosts']} hosts: receive {b['receive_percent']}%, fan-out {b['fan_out_percent']}%, "
+                  f"heartbeats {b['heartbeats_percent']}%, base {b['base_percent']}% of a core; 5% needs <= "
+                  f"{b['per_message_us_needed']} us per received message with heartbeats and fan-out free")
+    if "plot" in res:
+        out.print(f"figure: {res['plot']}")
