@@ -1,7 +1,10 @@
 """A deterministic fault harness (VOPR-style) over ``ark.core.node.Node``.
 
 One seed fixes everything: the fault mix (loss, duplication, delay and reordering,
-partitions, crashes and restarts, clock skew) and the workload. Invariants are checked
+partitions, crashes and restarts, clock skew), the workload, and whether dissemination is
+scoped: about half the seeds declare which hosts send to which (some hosts send to none),
+and every node then hears only the senders of its component and reserves only within its
+links (``ark.core.scope``), as agents with ``scope = "declared"`` do. Invariants are checked
 after every step; a violation raises :class:`Violation` naming the seed, and
 ``python -m tests.vopr SEED`` reruns it.
 
@@ -11,7 +14,8 @@ Invariants:
   claims it alone (``exclusive_conflicts`` at the replica's own clock), and the
   incrementally maintained table equals a full recomputation;
 * at quiet points (partitions healed, crashed hosts restarted, no message in flight,
-  syncs done): every replica holds the same table at the same instant; every flow whose
+  syncs done): every replica of a component holds the same table at the same instant
+  (scoped runs: a component's senders; otherwise every host); every flow whose
   owner released it, or whose lease has run out, is gone everywhere; every local flow
   that is reserved sits on the path the tables give it.
 """
@@ -27,6 +31,7 @@ from ark.core.lease import LeasePolicy
 from ark.core.messages import FlowId
 from ark.core.node import K_HELLO, Node, NodeLimits, NotReady, Output, Publish, decode_envelope
 from ark.core.pathmap import PathMapCache
+from ark.core.scope import Scope, scope_of
 from ark.core.topology import spine_leaf
 
 FABRIC = spine_leaf(leaves=3, spines=3, gpus_per_leaf=2, hash="crc32")
@@ -92,6 +97,8 @@ class Sim:
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.faults = Faults.draw(self.rng)
+        # Drawn from a generator of its own, so an unscoped seed runs as it always has.
+        self.scope, self.sends_to = _draw_scope(random.Random(f"scope-{self.seed}"))
         self.skew = [self.rng.uniform(-self.faults.skew, self.faults.skew) for _ in range(N)]
         self.skew[self.rng.randrange(N)] += self.faults.outlier
         self.incarnation = [1] * N
@@ -113,12 +120,18 @@ class Sim:
     def local(self, i: int) -> float:
         return self.t + self.skew[i]
 
+    def peers(self, i: int) -> list[int]:
+        if self.scope is None:
+            return [p for p in range(N) if p != i]
+        return sorted(self.scope.peers(i))
+
     def _new_node(self, i: int) -> Node:
         return Node(
-            i, FABRIC, MAPS, [p for p in range(N) if p != i],
+            i, FABRIC, MAPS, self.peers(i),
             incarnation=self.incarnation[i], seed=self.seed * 31 + i, lease=LEASE,
             heartbeat_s=0.1, peer_timeout_s=0.5, sync_timeout_s=0.3, retention_s=5.0,
             expiry_grace_s=GRACE, limits=NodeLimits(max_clock_offset_s=CLOCK_BOUND),
+            scope_links=None if self.scope is None else self.scope.links(i),
         )
 
     def _push(self, at: float, kind: str, data: tuple) -> None:
@@ -129,7 +142,7 @@ class Sim:
         f = self.faults
         for o in outs:
             chan = "pub" if isinstance(o, Publish) else "p2p"
-            dests = [d for d in range(N) if d != src] if isinstance(o, Publish) else [o.peer]
+            dests = self.peers(src) if isinstance(o, Publish) else [o.peer]
             for d in dests:
                 if (src, d) in self.blocked or self.rng.random() < f.loss:
                     continue
@@ -210,11 +223,16 @@ class Sim:
 
     # ------------------------------------------------------------------ actions
     def reserve(self) -> None:
-        src = self.rng.randrange(N)
+        if self.scope is None:
+            src = self.rng.randrange(N)
+            dsts = [h for h in range(N) if FABRIC.hosts[h].leaf != FABRIC.hosts[src].leaf]
+        else:
+            src = self.rng.choice(sorted(self.sends_to))
+            dsts = self.sends_to[src]
         node = self.nodes[src]
         if node is None:
             return
-        dst = self.rng.choice([h for h in range(N) if FABRIC.hosts[h].leaf != FABRIC.hosts[src].leaf])
+        dst = self.rng.choice(dsts)
         nbytes = self.rng.choice([10**6, 10**8, 10**9])
         try:
             lease, outs = node.reserve(dst, nbytes, self.local(src))
@@ -327,10 +345,12 @@ class Sim:
     def check_quiet(self) -> None:
         nodes = [n for n in self.nodes if n is not None]
         at = self.t
-        digests = {n.host: n.core.digest(at=at) for n in nodes}
-        if len(set(digests.values())) != 1:
-            tables = {n.host: n.core.table(at=at) for n in nodes}
-            self.fail(f"tables differ once quiet: {tables}")
+        for group in self.components():
+            members = [n for n in nodes if n.host in group]
+            digests = {n.host: n.core.digest(at=at) for n in members}
+            if len(set(digests.values())) > 1:
+                tables = {n.host: n.core.table(at=at) for n in members}
+                self.fail(f"tables differ once quiet: {tables}")
         for f, by in self.gone_by.items():
             if by <= self.t:
                 for n in nodes:
@@ -342,6 +362,10 @@ class Sim:
                 if reserved and f in table and table[f][0] != path:
                     self.fail(f"host {n.host} flow {f} on path {path} but the table says {table[f][0]}")
         self.check_no_double_booking(nodes)
+
+    def components(self) -> list[frozenset[int]]:
+        """Groups of hosts that must hold the same table (all hosts unless scoped)."""
+        return [frozenset(range(N))] if self.scope is None else self.scope.components()
 
     def check_no_double_booking(self, nodes: list[Node]) -> None:
         """What owners believe they hold, every replica holds: no link has two exclusive holders.
@@ -357,8 +381,8 @@ class Sim:
                 if n.skewed:
                     self.fail(f"host {n.host} stopped reserving ({n.skewed}) but flow {f} still claims a path")
                 for m in nodes:
-                    if m.skewed:
-                        continue
+                    if m.skewed or (m.host != n.host and m.host not in self.peers(n.host)):
+                        continue  # a host outside the component never hears of the flow
                     held = m.core.table(at=self.local(m.host)).get(f)
                     if held is None or held[0] != path:
                         self.fail(f"host {n.host} flow {f} holds path {path}; host {m.host} (clock "
@@ -367,6 +391,21 @@ class Sim:
         skewed = [n.host for n in nodes if n.skewed]
         if offset < CLOCK_BOUND / 2 and skewed:
             self.fail(f"hosts {skewed} stopped reserving with clocks within {offset:.3f} s")
+
+
+def _draw_scope(rng: random.Random) -> tuple[Scope | None, dict[int, list[int]]]:
+    """Half the seeds: each host sends to zero, one or two hosts on other leaves."""
+    if rng.random() < 0.5:
+        return None, {}
+    sends_to: dict[int, list[int]] = {}
+    for h in range(N):
+        others = [d for d in range(N) if FABRIC.hosts[d].leaf != FABRIC.hosts[h].leaf]
+        k = rng.choice([0, 1, 1, 2])
+        if k:
+            sends_to[h] = sorted(rng.sample(others, k))
+    if not sends_to:
+        sends_to[0] = [N - 1]
+    return scope_of(FABRIC, [(s, d) for s, ds in sends_to.items() for d in ds]), sends_to
 
 
 def run(seed: int, steps: int = 120, quiet_every: int = 40) -> Sim:
@@ -383,7 +422,8 @@ def main(argv: list[str]) -> int:
     seeds = [int(a) for a in argv] or [0]
     for s in seeds:
         sim = run(s)
-        print(f"seed {s}: ok ({sim.steps} steps, faults {sim.faults})")
+        scope = "full" if sim.scope is None else f"scoped {sim.sends_to}"
+        print(f"seed {s}: ok ({sim.steps} steps, faults {sim.faults}, {scope})")
     return 0
 
 

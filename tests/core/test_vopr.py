@@ -44,6 +44,22 @@ def test_same_seed_same_run() -> None:
     assert [n.core.digest() for n in a.nodes if n] == [n.core.digest() for n in b.nodes if n]
 
 
+def test_about_half_the_seeds_run_scoped_and_scoped_replicas_hold_only_their_component() -> None:
+    sims = [vopr.Sim(s) for s in range(40)]
+    scoped = [s for s in sims if s.scope is not None]
+    assert 10 <= len(scoped) <= 30
+    split = next(s.seed for s in scoped if len(s.scope.components()) >= 2)
+    sim = vopr.run(split, steps=80)
+    assert sim.scope is not None
+    held = 0
+    for n in (n for n in sim.nodes if n is not None):
+        mine = set(sim.peers(n.host)) | {n.host}
+        assert set(n.peers) == set(sim.peers(n.host))
+        assert all(f[0] in mine for f in n.core.table())  # nothing from another component
+        held += len(n.core.table())
+    assert held > 0
+
+
 class ClusterMachine(RuleBasedStateMachine):
     """Rules drive one simulated cluster; invariants run after every rule."""
 

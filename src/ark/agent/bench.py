@@ -293,9 +293,12 @@ def _valid_stream(b: Bed, target: str, count: int, sign: Any) -> Iterator[bytes]
             yield encode_envelope(K_DATA, xi, inc, seq, [raw, sign(raw)])
 
 
-def per_message(messages: int = 40_000, rate: float = 5000.0) -> dict[str, Any]:
+def per_message(messages: int = 40_000, rate: float = 5000.0, burst: int = 100) -> dict[str, Any]:
     """CPU an agent spends per message it receives: one listed peer sends ``messages`` valid
-    reserve/release messages at ``rate``; the target's CPU (all threads) over them."""
+    reserve/release messages at ``rate``, ``burst`` back to back between pauses (1: each
+    message wakes the agent on its own, as on a cluster that is not saturated). The
+    target's CPU (all threads) over them, and net of what it spends idle over as long
+    (heartbeats), measured just before."""
     from ark.agent.keys import Signatures
 
     with bed(agents=2, peer_rate=1e7) as b:
@@ -308,11 +311,12 @@ def per_message(messages: int = 40_000, rate: float = 5000.0) -> dict[str, Any]:
             assert xsec is not None
             stream = _valid_stream(b, target, messages, Signatures(xsec, {}).sign)  # stamped as sent
             pid = b.pid(target)
+            idle = _idle_cpu_per_s(pid, min(3.0, messages / rate))
             base = int(b.procs.status([target])[target]["node"]["received"])
             cpu0, t0 = thread_cpu_s([pid]), time.monotonic()
             for i, data in enumerate(stream):
                 sock.send(data)
-                if i % 100 == 99:
+                if i % burst == burst - 1:
                     time.sleep(max(0.0, t0 + (i + 1) / rate - time.monotonic()))
             got = _wait_received(b, target, base, messages, 120.0)
             cpu1, wall = thread_cpu_s([pid]), time.monotonic() - t0
@@ -321,10 +325,19 @@ def per_message(messages: int = 40_000, rate: float = 5000.0) -> dict[str, Any]:
             ctx.destroy(0)
     by_thread = {k: round(cpu1.get(k, 0.0) - cpu0.get(k, 0.0), 3) for k in cpu1}
     total = sum(by_thread.values())
-    return {"messages": messages, "received": got, "rate": rate, "seconds": round(wall, 2),
-            "cpu_s": round(total, 3), "cpu_s_by_thread": by_thread,
+    net = max(0.0, total - idle * wall)
+    return {"messages": messages, "received": got, "rate": rate, "burst": burst, "seconds": round(wall, 2),
+            "cpu_s": round(total, 3), "cpu_s_by_thread": by_thread, "idle_cpu_percent": round(100 * idle, 3),
             "cpu_us_per_message": round(total / max(1, got) * 1e6, 2),
+            "net_cpu_us_per_message": round(net / max(1, got) * 1e6, 2),
             "invalid": st["node"]["invalid"] + st["core"]["invalid"], "reservations_left": st["reservations"]}
+
+
+def _idle_cpu_per_s(pid: int, seconds: float) -> float:
+    """CPU seconds per second a process spends with nothing to do but its timers."""
+    c0, t0 = sum(thread_cpu_s([pid]).values()), time.monotonic()
+    time.sleep(seconds)
+    return (sum(thread_cpu_s([pid]).values()) - c0) / (time.monotonic() - t0)
 
 
 def control_costs(seconds: float = 6.0, messages: int = 20_000) -> dict[str, Any]:

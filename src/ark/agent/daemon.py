@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -58,6 +59,8 @@ from ark.agent.sockets import (
 from ark.core.envelope import MAX_ENVELOPE_BYTES
 from ark.core.node import Node, NodeLimits, Output, Publish
 from ark.core.protocol import CoreError, CoreLimits
+
+_POLLIN = int(zmq.POLLIN)
 
 log = logging.getLogger("ark.agent")
 
@@ -136,6 +139,7 @@ class Agent:
         self._stop = False
         self._up: dict[int, bool] = {}
         self._timers_at = 0.0
+        self._peers_due = 0.0  # peer messages wait until then (a batch window, ``batch_s``)
         self._was_ready = False
         self._skewed = ""
         self.dropped_out = 0
@@ -189,10 +193,12 @@ class Agent:
                 d.setsockopt(opt, val)
             d.connect(h.control)
             self.out[idx] = d
-        self.poller = zmq.Poller()
-        for sock in (self.inbox, self.api_sock, self.guard.monitor):
+        # Two pollers: everything, and everything but the peers (while a batch window runs).
+        self.poller, self.poller_no_peers = zmq.Poller(), zmq.Poller()
+        for sock in (self.inbox, self.api_sock, self.guard.monitor, self.refresher.wake_r):
             self.poller.register(sock, zmq.POLLIN)
-        self.poller.register(self.refresher.wake_r, zmq.POLLIN)
+            if sock is not self.inbox:
+                self.poller_no_peers.register(sock, zmq.POLLIN)
         if self.me.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -250,14 +256,19 @@ class Agent:
 
     def _wait_and_drain(self) -> None:
         # A signal interrupts the poll; 1 s at most keeps a stop request prompt regardless.
-        timeout = min(1.0, max(0.0, self._timers_at - time.time()))
-        events = dict(self.poller.poll(int(timeout * 1000) + 1))
+        now = time.time()
+        timeout = min(1.0, max(0.0, self._timers_at - now))
+        if now < self._peers_due:  # a batch window: the local API and timers only, until it ends
+            events = dict(self.poller_no_peers.poll(max(1, math.ceil(min(timeout, self._peers_due - now) * 1000))))
+        else:
+            events = dict(self.poller.poll(int(timeout * 1000) + 1))
         if self.guard.monitor in events:
             self.guard.drain()
         if self.api_sock in events:
             self._drain_api()
         if self.inbox in events:
             self._drain_peers()
+            self._peers_due = time.time() + self.cluster.batch_s
         if self.refresher.wake_r in events:
             for rid, res in self.refresher.results():
                 self.finish_refresh(rid, res)
@@ -267,13 +278,15 @@ class Agent:
     def _drain_peers(self, limit: int = 1024, slice_: int = 16) -> None:
         """Handle waiting peer messages; every ``slice_`` of them, serve the local API first
         (an engine waiting for a lease must not wait behind a flood)."""
-        sock = self.inbox
+        sock, api = self.inbox, self.api_sock
         try:
             for i in range(limit):
-                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                try:  # a non-blocking receive until empty: no readiness query per message
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
                     return
-                self._peer_message(sock.recv_multipart(copy=False))
-                if i % slice_ == slice_ - 1 and int(self.api_sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                self._peer_message(frames)
+                if i % slice_ == slice_ - 1 and int(api.getsockopt(zmq.EVENTS)) & _POLLIN:
                     self._settle()
                     self._drain_api(64)
         finally:
@@ -327,9 +340,10 @@ class Agent:
     def _drain_api(self, limit: int = 1024) -> None:
         sock = self.api_sock
         for _ in range(limit):
-            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
                 return
-            frames = sock.recv_multipart()
             if len(frames) < 2:
                 continue
             rid = frames[0]

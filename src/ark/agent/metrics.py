@@ -29,6 +29,7 @@ class Collector:
             ("ark_renewals", c.renewals, "lease renewals applied"),
             ("ark_expired", c.expired, "reservations whose lease ran out"),
             ("ark_invalid_messages", n.invalid + c.invalid, "malformed or unauthorised peer messages dropped"),
+            ("ark_wrong_version_messages", n.wrong_version, "peer messages of another wire version dropped"),
             ("ark_dropped_messages", n.dropped + c.duplicates + c.stale, "duplicate or stale peer messages dropped"),
             ("ark_unsent_messages", self.agent.dropped_out, "messages not sent: a peer's queue was full"),
             ("ark_sequence_gaps", n.gaps, "gaps in a peer's sequence numbers"),

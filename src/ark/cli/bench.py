@@ -167,14 +167,17 @@ def bench_unauth(announce_mb: int, connections: int, idle: int, fd_limit: int, a
 @bench.command("agent")
 @click.option("--messages", type=click.IntRange(min=100), default=40_000, show_default=True)
 @click.option("--rate", type=click.FloatRange(min=10), default=5000.0, show_default=True, help="Messages/s the peer sends.")
+@click.option("--burst", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Messages sent back to back between pauses (1: each one wakes the agent).")
 @click.option("--json", "as_json", is_flag=True)
-def bench_agent(messages: int, rate: float, as_json: bool) -> None:
+def bench_agent(messages: int, rate: float, burst: int, as_json: bool) -> None:
     """CPU an agent spends per message it receives (valid reserve/release from one peer)."""
     from ark.agent.bench import per_message
 
-    r = per_message(messages, rate)
-    _print_json_or_line(r, as_json, f"{r['received']} messages at {rate:g}/s: {r['cpu_us_per_message']} us of agent "
-                        f"CPU per received message ({r['cpu_s_by_thread']})")
+    r = per_message(messages, rate, burst)
+    _print_json_or_line(r, as_json, f"{r['received']} messages at {rate:g}/s in bursts of {burst}: "
+                        f"{r['cpu_us_per_message']} us of agent CPU per received message, "
+                        f"{r['net_cpu_us_per_message']} us net of idle ({r['cpu_s_by_thread']})")
 
 
 @bench.command("control-plane")

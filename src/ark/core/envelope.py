@@ -25,7 +25,7 @@ from typing import Any
 
 import msgpack
 
-from ark.core.messages import MAX_MESSAGE_BYTES, ProtocolError
+from ark.core.messages import MAX_MESSAGE_BYTES, ProtocolError, VersionError
 
 ENVELOPE_VERSION = 2
 K_DATA, K_HELLO, K_SYNC_REQ, K_SYNC_REP = 1, 2, 3, 4
@@ -90,7 +90,7 @@ def decode_envelope(data: bytes) -> Envelope:
         raise ProtocolError("envelope: expected an array of 6 fields")
     v, kind, sender, inc, seq, payload = body
     if v != ENVELOPE_VERSION or type(v) is not int:
-        raise ProtocolError(f"envelope version: expected {ENVELOPE_VERSION}, got {v!r:.40}")
+        raise VersionError(f"envelope version: expected {ENVELOPE_VERSION}, got {v!r:.40}")
     for name, val, hi in (("kind", kind, 4), ("sender", sender, _U32), ("incarnation", inc, _U63), ("seq", seq, _U63)):
         if type(val) is not int or not 0 <= val <= hi:
             raise ProtocolError(f"envelope {name}: expected an integer in 0..{hi}, got {val!r:.40}")

@@ -37,6 +37,10 @@ class ProtocolError(ValueError):
     """A peer message that is malformed, out of range or of another version."""
 
 
+class VersionError(ProtocolError):
+    """Well-formed, but of a wire version this code does not speak (counted on its own)."""
+
+
 class Reserve(NamedTuple):
     """Owner ``flow[0]`` asks for ``path`` (links implied by the topology) at ``ts``.
 
@@ -139,7 +143,7 @@ def decode(data: bytes) -> Message:
     if not isinstance(body, list) or len(body) < 5:
         raise ProtocolError("message: expected an array of at least 5 fields")
     if body[0] != WIRE_VERSION or type(body[0]) is not int:
-        raise ProtocolError(f"version: expected {WIRE_VERSION}, got {body[0]!r:.40}")
+        raise VersionError(f"version: expected {WIRE_VERSION}, got {body[0]!r:.40}")
     mtype = body[1]
     flow = (_int(body[2], "owner", _U32), _int(body[3], "seq", _U63))
     ts = _time(body[4], "ts")

@@ -52,7 +52,7 @@ from ark.core.envelope import (
     sync_parts,
 )
 from ark.core.lease import LeasePolicy
-from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, decode, encode
+from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, VersionError, decode, encode
 from ark.core.protocol import ArkCore, CoreError, CoreLimits, PathMaps, Repath, Routes
 from ark.core.roce import flow_label_for_sport
 from ark.core.scope import pair_links
@@ -141,6 +141,7 @@ class NodeCounters:
     published: int = 0
     received: int = 0
     invalid: int = 0  # malformed envelopes or messages, sender mismatch, out of window
+    wrong_version: int = 0  # of those: an envelope or message of another wire version
     out_of_window: int = 0  # of those: a timestamp or lease outside what this node accepts
     forged: int = 0  # relayed messages without their owner's valid signature
     dropped: int = 0  # duplicates and old sequence numbers
@@ -387,14 +388,19 @@ class Node:
         self.counters.received += 1
         try:
             env = decode_envelope(data)
-        except ProtocolError:
-            self.counters.invalid += 1
+        except ProtocolError as e:
+            self._count_invalid(e)
             return []
         st = self.peers.get(peer)
         if env.kind not in kinds or st is None or env.sender != peer:
             self.counters.invalid += 1
             return []
         return self._handlers[env.kind](peer, st, env, now)
+
+    def _count_invalid(self, e: ProtocolError) -> None:
+        self.counters.invalid += 1
+        if isinstance(e, VersionError):
+            self.counters.wrong_version += 1  # a peer on another release: worth its own alarm
 
     def _contact(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output] | None:
         """Bookkeeping for a broadcast envelope; None when it is from a dead incarnation."""
@@ -471,8 +477,8 @@ class Node:
     def _apply_published(self, peer: int, raw: bytes, sig: bytes, now: float) -> None:
         try:
             msg = decode(raw)
-        except ProtocolError:
-            self.counters.invalid += 1
+        except ProtocolError as e:
+            self._count_invalid(e)
             return
         if not self._timely(msg, now, direct=True):
             return
@@ -686,8 +692,8 @@ class Node:
         for raw, sig in items:
             try:
                 m = decode(raw)
-            except ProtocolError:
-                self.counters.invalid += 1
+            except ProtocolError as e:
+                self._count_invalid(e)
                 continue
             if self._takes(peer, m, raw, sig) and self._timely(m, now, direct=False) and self._in_our_scope(m):
                 msgs.append((m, raw, sig))
