@@ -7,7 +7,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ark.core.messages import MAX_MESSAGE_BYTES, ProtocolError, Release, Renew, Reserve, decode, encode
+from ark.core.messages import (
+    MAX_MESSAGE_BYTES,
+    ProtocolError,
+    Release,
+    Renew,
+    Reserve,
+    _fast,
+    decode,
+    decode_checked,
+    encode,
+)
 
 RES = Reserve((3, 17), 12.5, 3, 9, 4791, 2, 50123, 1_700_000_000, 98e9, False, 14.0)
 REL = Release((3, 17), 13.25)
@@ -83,3 +93,31 @@ def test_bit_flip_fuzz_thousands_of_inputs() -> None:
         except ProtocolError:
             bad += 1
     assert bad > 1000 and ok + bad == 5000
+
+
+_FIELD = st.one_of(st.integers(-2, 2**64 - 1), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                   st.none(), st.binary(max_size=3), st.text(max_size=3))
+
+
+@given(st.sampled_from([RES, REL, REN]), st.lists(st.tuples(st.integers(0, 13), _FIELD), max_size=3),
+       st.integers(-1, 2))
+def test_the_typed_fast_path_agrees_with_the_field_by_field_checks(base, edits, resize) -> None:
+    """Whatever the fast path accepts, the reference accepts as the same message; every valid
+    message takes the fast path."""
+    body = msgpack.unpackb(encode(base))
+    for i, v in edits:
+        if i < len(body):
+            body[i] = v
+    if resize < 0:
+        body = body[:-1]
+    elif resize > 1:
+        body.append(0)
+    data = msgpack.packb(body, use_bin_type=True)
+    try:
+        ref = decode_checked(data)
+    except ProtocolError:
+        ref = None
+    fast = _fast(data)
+    assert fast is None or (fast == ref and type(fast) is type(ref))
+    if ref is not None:
+        assert fast == ref and type(fast) is type(ref)

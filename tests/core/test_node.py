@@ -187,21 +187,27 @@ def test_a_message_of_another_wire_version_is_dropped_and_counted_as_such() -> N
     ok = Reserve((0, 7), 2.0, 0, 9, 4791, 0, 50000, 10, 1e9, False, 3.0)
     # An envelope from a future release (version 3) and an old message inside a current one.
     future = msgpack.packb([3, K_DATA, 0, 1, 50, [encode(ok), b""]], use_bin_type=True)
+    other_layout = msgpack.packb([3, K_DATA, 0, 1, 50, "new field", [encode(ok), b""]], use_bin_type=True)
     old_msg = msgpack.packb([0, *msgpack.unpackb(encode(ok))[1:]], use_bin_type=True)
     peer.on_publish(0, future, 2.0)
+    peer.on_publish(0, other_layout, 2.0)
     peer.on_publish(0, encode_envelope(K_DATA, 0, 1, 51, [old_msg, b""]), 2.0)
-    assert peer.counters.wrong_version == 2 and peer.counters.invalid == 2
+    assert peer.counters.wrong_version == 3 and peer.counters.invalid == 3
     assert peer.core.digest() == before and peer.core.table() == {}
     # Garbage is invalid but not of another version.
     peer.on_publish(0, b"\xc1", 2.0)
-    assert peer.counters.wrong_version == 2 and peer.counters.invalid == 3
-    assert peer.status(2.0)["node"]["wrong_version"] == 2
+    assert peer.counters.wrong_version == 3 and peer.counters.invalid == 4
+    assert peer.status(2.0)["node"]["wrong_version"] == 3
 
 
 def test_envelope_validation() -> None:
     assert decode_envelope(encode_envelope(K_HELLO, 3, 1, 9, [b"12345678", 1.0, 2.0, 2.0, []])).seq == 9
     for bad in (b"", b"\xc1", encode_envelope(9, 1, 1, 1, None), encode_envelope(K_DATA, 1, 1, 1, "str"),
                 encode_envelope(K_HELLO, 1, 1, 1, None),
+                encode_envelope(K_HELLO, 1, 1, 1, [b"12345678", 1, 2.0, 2.0, []]),  # an int time
+                encode_envelope(K_HELLO, 1, 1, 1, [b"12345678", 1.0, float("nan"), 2.0, []]),
+                encode_envelope(K_DATA, 1, 1, 1, [b"m", b"short signature"]),
+                encode_envelope(K_SYNC_REP, 1, 1, 1, [[], 1.0, [], 1, 1]),  # part beyond parts
                 encode_envelope(K_SYNC_REP, 1, 1, 1, [[], 1.0])):
         with pytest.raises(Exception, match="envelope"):
             decode_envelope(bad)

@@ -330,7 +330,23 @@ def per_message(messages: int = 40_000, rate: float = 5000.0, burst: int = 100) 
             "cpu_s": round(total, 3), "cpu_s_by_thread": by_thread, "idle_cpu_percent": round(100 * idle, 3),
             "cpu_us_per_message": round(total / max(1, got) * 1e6, 2),
             "net_cpu_us_per_message": round(net / max(1, got) * 1e6, 2),
-            "invalid": st["node"]["invalid"] + st["core"]["invalid"], "reservations_left": st["reservations"]}
+            "invalid": st["node"]["invalid"] + st["core"]["invalid"], "reservations_left": st["reservations"],
+            "codec_us": codec_us()}
+
+
+def codec_us(repeat: int = 20_000) -> dict[str, float]:
+    """Microseconds to decode and check one DATA envelope and the RESERVE inside it: the
+    typed (msgspec) paths the agent uses, and the field-by-field reference checks."""
+    import timeit
+
+    from ark.core import messages
+    from ark.core.envelope import K_DATA, decode_envelope, encode_envelope
+
+    raw = messages.encode(messages.Reserve((3, 17), 1000.5, 3, 5, 4791, 2, 51000, 10**9, 1e11, False, 1010.0))
+    env = encode_envelope(K_DATA, 3, 7, 42, [raw, b"s" * 64])
+    cases = {"envelope": lambda: decode_envelope(env), "message": lambda: messages.decode(raw),
+             "message_reference": lambda: messages.decode_checked(raw)}
+    return {k: round(min(timeit.repeat(f, number=repeat, repeat=3)) / repeat * 1e6, 3) for k, f in cases.items()}
 
 
 def _idle_cpu_per_s(pid: int, seconds: float) -> float:

@@ -19,11 +19,12 @@ against its clock, signatures of relayed messages, who may send what).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import msgpack
+import msgspec
 
 from ark.core.messages import MAX_MESSAGE_BYTES, ProtocolError, VersionError
 
@@ -75,71 +76,95 @@ def sync_parts(items: Sequence[SignedMessage], frozen: Sequence[list[Any]] = ()
                list(frozen[k * fpp:(k + 1) * fpp]) if k >= 0 else [])
 
 
+# Typed decoders (msgspec): structure, types and ranges are checked while decoding, in C;
+# what a type cannot say (finite times, signature sizes, part numbers) is checked after.
+# Times are typed ``int | float`` so that an int where a float belongs is seen and
+# refused, not silently widened.
+_Time = int | float
+_Bin = Annotated[bytes, msgspec.Meta(max_length=MAX_MESSAGE_BYTES)]
+_Signed = tuple[_Bin, Annotated[bytes, msgspec.Meta(max_length=SIGNATURE_BYTES)]]
+_Frozen = tuple[Annotated[int, msgspec.Meta(ge=0, le=_U32)], Annotated[int, msgspec.Meta(ge=0, le=_U63)],
+                Annotated[int, msgspec.Meta(ge=-1, le=0xFFFF)], bool]
+_Digest = Annotated[bytes, msgspec.Meta(min_length=8, max_length=8)]
+_Ahead = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=_U32)]], msgspec.Meta(max_length=MAX_AHEAD_LIST)]
+
+
+class _Wire(msgspec.Struct, array_like=True):
+    version: int
+    kind: Annotated[int, msgspec.Meta(ge=1, le=4)]
+    sender: Annotated[int, msgspec.Meta(ge=0, le=_U32)]
+    incarnation: Annotated[int, msgspec.Meta(ge=0, le=_U63)]
+    seq: Annotated[int, msgspec.Meta(ge=0, le=_U63)]
+    payload: msgspec.Raw
+
+
+_WIRE = msgspec.msgpack.Decoder(_Wire)
+_PAYLOADS: dict[int, tuple[msgspec.msgpack.Decoder[Any], str]] = {
+    K_DATA: (msgspec.msgpack.Decoder(_Signed), "data needs [message bytes, signature]"),
+    K_HELLO: (msgspec.msgpack.Decoder(tuple[_Digest, _Time, _Time, _Time, _Ahead]),
+              "hello needs [8-byte digest, since, until, sent_at, [host ids]]"),
+    K_SYNC_REQ: (msgspec.msgpack.Decoder(None), "sync request carries nothing"),
+    K_SYNC_REP: (msgspec.msgpack.Decoder(tuple[
+        Annotated[list[_Signed], msgspec.Meta(max_length=SYNC_ITEMS_PER_PART)], _Time,
+        Annotated[list[_Frozen], msgspec.Meta(max_length=SYNC_FROZEN_PER_PART)],
+        Annotated[int, msgspec.Meta(ge=0)], Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]]),
+        "sync reply needs [[[bytes, sig]...], sent_at, [[owner, seq, path, shared]...], part, parts]"),
+}
+
+
 def decode_envelope(data: bytes) -> Envelope:
     """Parse and check an envelope's types and sizes (not its messages' meaning)."""
     if len(data) > MAX_ENVELOPE_BYTES:
         raise ProtocolError(f"envelope: {len(data)} bytes exceeds {MAX_ENVELOPE_BYTES}")
     try:
-        body = msgpack.unpackb(
-            data, raw=False, max_map_len=0, max_ext_len=0, max_str_len=0, strict_map_key=True,
-            max_bin_len=MAX_MESSAGE_BYTES, max_array_len=max(SYNC_ITEMS_PER_PART, SYNC_FROZEN_PER_PART, MAX_AHEAD_LIST) + 8,
-        )
-    except Exception as e:  # garbage of any kind is malformed
-        raise ProtocolError(f"envelope: not valid msgpack ({type(e).__name__})") from None
-    if not isinstance(body, list) or len(body) != 6:
-        raise ProtocolError("envelope: expected an array of 6 fields")
-    v, kind, sender, inc, seq, payload = body
-    if v != ENVELOPE_VERSION or type(v) is not int:
-        raise VersionError(f"envelope version: expected {ENVELOPE_VERSION}, got {v!r:.40}")
-    for name, val, hi in (("kind", kind, 4), ("sender", sender, _U32), ("incarnation", inc, _U63), ("seq", seq, _U63)):
-        if type(val) is not int or not 0 <= val <= hi:
-            raise ProtocolError(f"envelope {name}: expected an integer in 0..{hi}, got {val!r:.40}")
-    check = _PAYLOAD_CHECKS.get(kind)
-    if check is None:
-        raise ProtocolError(f"envelope kind: expected 1..4, got {kind}")
-    check(payload)
-    return Envelope(kind, sender, inc, seq, payload)
+        w = _WIRE.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        v = _leading_version(data)
+        if v is not None and v != ENVELOPE_VERSION:  # perhaps another layout: the version says so
+            raise VersionError(f"envelope version: expected {ENVELOPE_VERSION}, got {v}") from None
+        raise ProtocolError(f"envelope: {_reason(e)}") from None
+    if w.version != ENVELOPE_VERSION:
+        raise VersionError(f"envelope version: expected {ENVELOPE_VERSION}, got {w.version}")
+    dec, shape = _PAYLOADS[w.kind]
+    try:
+        payload = dec.decode(w.payload)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        raise ProtocolError(f"envelope payload: {shape}") from None
+    if not _CHECKS[w.kind](payload):
+        raise ProtocolError(f"envelope payload: {shape}")
+    return Envelope(w.kind, w.sender, w.incarnation, w.seq, payload)
 
 
-def _is_signed(x: Any) -> bool:
-    return (isinstance(x, list) and len(x) == 2 and isinstance(x[0], bytes) and isinstance(x[1], bytes)
-            and len(x[1]) in (0, SIGNATURE_BYTES))
+def _leading_version(data: bytes) -> int | None:
+    """The first element of a short msgpack array, when it is a small non-negative integer."""
+    if len(data) >= 2 and 0x90 <= data[0] <= 0x9F and data[1] <= 0x7F:
+        return data[1]
+    return None
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, msgspec.DecodeError):
+        return "not valid msgpack"
+    msg = str(e)
+    return "expected an array of 6 fields" if "array" in msg and "$[" not in msg else msg[:120]
 
 
 def _finite(x: Any) -> bool:
     return type(x) is float and math.isfinite(x)
 
 
-def _check_data(p: Any) -> None:
-    if not _is_signed(p):
-        raise ProtocolError("envelope payload: data needs [message bytes, signature]")
+def _signed_ok(p: SignedMessage) -> bool:
+    return len(p[1]) in (0, SIGNATURE_BYTES)
 
 
-def _check_hello(p: Any) -> None:
-    if not (isinstance(p, list) and len(p) == 5 and isinstance(p[0], bytes) and len(p[0]) == 8
-            and all(_finite(x) for x in p[1:4]) and isinstance(p[4], list) and len(p[4]) <= MAX_AHEAD_LIST
-            and all(type(x) is int and 0 <= x <= _U32 for x in p[4])):
-        raise ProtocolError("envelope payload: hello needs [8-byte digest, since, until, sent_at, [host ids]]")
+def _hello_ok(p: Any) -> bool:
+    return _finite(p[1]) and _finite(p[2]) and _finite(p[3])
 
 
-def _check_sync_request(p: Any) -> None:
-    if p is not None:
-        raise ProtocolError("envelope payload: sync request carries nothing")
+def _sync_reply_ok(p: Any) -> bool:
+    return _finite(p[1]) and p[3] < p[4] and all(len(x[1]) in (0, SIGNATURE_BYTES) for x in p[0])
 
 
-def _frozen_ok(x: Any) -> bool:
-    return (isinstance(x, list) and len(x) == 4 and all(type(v) is int for v in x[:3]) and type(x[3]) is bool
-            and 0 <= x[0] <= _U32 and 0 <= x[1] <= _U63 and -1 <= x[2] <= 0xFFFF)
-
-
-def _check_sync_reply(p: Any) -> None:
-    if not (isinstance(p, list) and len(p) == 5 and isinstance(p[0], list) and len(p[0]) <= SYNC_ITEMS_PER_PART
-            and all(_is_signed(x) for x in p[0]) and _finite(p[1]) and isinstance(p[2], list)
-            and len(p[2]) <= SYNC_FROZEN_PER_PART and all(_frozen_ok(x) for x in p[2]) and type(p[3]) is int and type(p[4]) is int
-            and 0 <= p[3] < p[4] <= 1 << 20):
-        raise ProtocolError("envelope payload: sync reply needs [[[bytes, sig]...], sent_at, "
-                            "[[owner, seq, path, shared]...], part, parts]")
-
-
-_PAYLOAD_CHECKS = {K_DATA: _check_data, K_HELLO: _check_hello, K_SYNC_REQ: _check_sync_request,
-                   K_SYNC_REP: _check_sync_reply}
+_CHECKS: dict[int, Callable[[Any], bool]] = {
+    K_DATA: _signed_ok, K_HELLO: _hello_ok, K_SYNC_REQ: lambda p: True, K_SYNC_REP: _sync_reply_ok,
+}

@@ -52,7 +52,17 @@ from ark.core.envelope import (
     sync_parts,
 )
 from ark.core.lease import LeasePolicy
-from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, VersionError, decode, encode
+from ark.core.messages import (
+    FlowId,
+    Message,
+    ProtocolError,
+    Release,
+    Renew,
+    Reserve,
+    VersionError,
+    decode,
+    encode,
+)
 from ark.core.protocol import ArkCore, CoreError, CoreLimits, PathMaps, Repath, Routes
 from ark.core.roce import flow_label_for_sport
 from ark.core.scope import pair_links
