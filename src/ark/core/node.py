@@ -707,8 +707,10 @@ class Node:
                 continue
             if self._takes(peer, m, raw, sig) and self._timely(m, now, direct=False) and self._in_our_scope(m):
                 msgs.append((m, raw, sig))
-        # Reservations first (in key order), then renewals and releases.
-        msgs.sort(key=lambda x: (0, x[0].key) if isinstance(x[0], Reserve) else (1, (x[0].ts, 0, 0)))
+        # Renewals and releases first: held as early messages, they tell the table how long
+        # each reservation really lived (a flow renewed long past its first lease is not
+        # stale although its RESERVE alone says so); then reservations in key order.
+        msgs.sort(key=lambda x: (1, x[0].key) if isinstance(x[0], Reserve) else (0, (x[0].ts, 0, 0)))
         for m, raw, sig in msgs:
             self.core.receive(m, now, sender=m.flow[0], defer=True)
             self._keep_signature(m, raw, sig)

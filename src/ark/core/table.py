@@ -818,12 +818,12 @@ class ReservationTable:
         if msg.expires == INF and msg.ts < t:
             return True  # no lease: an unknown reservation that old cannot be judged
         end = msg.expires
+        renew = self._early_renew.get(msg.flow)
+        if renew is not None:  # renewed, perhaps well past its first lease, then perhaps released
+            end = max(end, renew.expires)
         rel = self._early_release.get(msg.flow)
         if rel is not None:
             end = min(end, rel)
-        renew = self._early_renew.get(msg.flow)
-        if renew is not None and rel is None:
-            end = max(end, renew.expires)
         return end < t
 
     def _later_start_at_or_after(self, entry: Entry, t: float) -> bool:
