@@ -274,3 +274,47 @@ def test_reload_pathmaps_repaths_moved_reservations_everywhere():
     assert new.flow_id not in n0.local_flows() and b.flow_id in n0.local_flows()
     with pytest.raises(CoreError):
         n0.lease_of(a.flow_id)
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_a_snapshot_judges_a_reservation_by_its_renewals_and_release(released: bool) -> None:
+    """A joiner whose retention horizon lies past a RESERVE's first lease keeps the flow
+    when renewals kept it alive past the horizon, and drops it when a RELEASE ended it
+    before the horizon, even though a renewal had moved its lease past it."""
+    peer = make(8)
+    peer.start(0.0)
+    peer.tick(1.5)  # nobody answers: ready after the sync timeout
+    lease, _ = peer.reserve(0, 10**6, 1.5)  # first lease ends at about 2.5
+    peer.renew(lease.flow_id, 2.4)  # lease until about 3.4
+    if released:
+        peer.release(lease.flow_id, 2.45)
+    else:
+        for t in (3.0, 4.0, 5.0, 6.0, 7.0, 8.0):
+            peer.renew(lease.flow_id, t)
+    joiner = make(0)
+    req = next(o for o in joiner.start(8.0) if getattr(o, "peer", None) == 8)
+    joiner.tick(8.0)  # retention horizon 3.0: past the first lease
+    for reply in peer.on_request(0, req.data, 8.0):
+        joiner.on_request(8, reply.data, 8.0)
+    assert joiner.counters.sync_applied == 1
+    for at in (3.2, 8.0):
+        assert (lease.flow_id in joiner.core.table(at=at)) == (not released)
+        assert joiner.core.digest(at=at) == peer.core.digest(at=at)
+
+
+def test_snapshot_parts_never_split_one_flows_messages() -> None:
+    from ark.core.envelope import SYNC_ITEMS_PER_PART, sync_parts
+
+    # Flows of one, two and three messages, lined up so that plain cuts would split them.
+    flows = [f for i in range(SYNC_ITEMS_PER_PART) for f in [i] * (1 + i % 3)]
+    items = [(b"m", b"")] * len(flows)
+    seen = 0
+    parts = list(sync_parts(items, [], flows))
+    assert len(parts) > 1
+    for _part, _n, chunk, _frozen in parts:
+        assert 0 < len(chunk) <= SYNC_ITEMS_PER_PART
+        lo, hi = seen, seen + len(chunk)
+        assert lo == 0 or flows[lo] != flows[lo - 1]
+        assert hi == len(flows) or flows[hi] != flows[hi - 1]
+        seen = hi
+    assert seen == len(flows)

@@ -35,7 +35,9 @@ def test_vopr_many_seeds(chunk: int) -> None:
 # Seeds that once failed, kept as regressions: 105285 (scoped) had a joiner refuse, as stale,
 # a snapshot's RESERVE whose first lease had ended before the retention horizon although
 # renewals kept it alive until after it; the replicas then disagreed on later flows.
-@pytest.mark.parametrize("seed", [105285])
+# 100478 and 101907 had a joiner refuse a snapshot's RELEASE as stale (applied before its
+# RESERVE) and then take the RESERVE, kept alive by a renewal, as never released.
+@pytest.mark.parametrize("seed", [105285, 100478, 101907])
 def test_seeds_that_once_failed(seed: int) -> None:
     vopr.run(seed)
 

@@ -61,19 +61,41 @@ def encode_envelope(kind: int, sender: int, incarnation: int, seq: int, payload:
     return out
 
 
-def sync_parts(items: Sequence[SignedMessage], frozen: Sequence[list[Any]] = ()
+def sync_parts(items: Sequence[SignedMessage], frozen: Sequence[list[Any]] = (),
+               flows: Sequence[object] | None = None,
                ) -> Iterator[tuple[int, int, list[list[bytes]], list[list[Any]]]]:
     """(part, parts, items, frozen) for a snapshot: at most :data:`SYNC_ITEMS_PER_PART`
     messages and :data:`SYNC_FROZEN_PER_PART` frozen assignments a part. Frozen assignments
     start in the last part that carries messages and go on in parts of their own: a receiver
-    takes one only for a reservation it already holds, so they come after every message."""
-    ipp, fpp = SYNC_ITEMS_PER_PART, SYNC_FROZEN_PER_PART
-    item_parts = max(1, math.ceil(len(items) / ipp))
-    n = item_parts + max(0, math.ceil(len(frozen) / fpp) - 1)
+    takes one only for a reservation it already holds, so they come after every message.
+
+    ``flows`` (one per item) keeps a flow's consecutive messages (its RESERVE, RENEW and
+    RELEASE) in one part: a receiver judges whether a reservation is stale from all three.
+    """
+    chunks = _item_chunks(len(items), SYNC_ITEMS_PER_PART, flows)
+    fpp = SYNC_FROZEN_PER_PART
+    n = len(chunks) + max(0, math.ceil(len(frozen) / fpp) - 1)
     for i in range(n):
-        k = i - (item_parts - 1)  # the frozen chunk of this part (from the last message part on)
-        yield (i, n, [[m, s] for m, s in items[i * ipp:(i + 1) * ipp]],
+        k = i - (len(chunks) - 1)  # the frozen chunk of this part (from the last message part on)
+        lo, hi = chunks[i] if i < len(chunks) else (0, 0)
+        yield (i, n, [[m, s] for m, s in items[lo:hi]],
                list(frozen[k * fpp:(k + 1) * fpp]) if k >= 0 else [])
+
+
+def _item_chunks(n: int, per: int, flows: Sequence[object] | None) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of at most ``per`` items (at least one range), cut between flows."""
+    out: list[tuple[int, int]] = []
+    lo = 0
+    while lo < n:
+        hi = min(n, lo + per)
+        if flows is not None and hi < n:
+            cut = hi
+            while cut > lo + 1 and flows[cut] == flows[cut - 1]:
+                cut -= 1
+            hi = cut
+        out.append((lo, hi))
+        lo = hi
+    return out or [(0, 0)]
 
 
 # Typed decoders (msgspec): structure, types and ranges are checked while decoding, in C;

@@ -54,6 +54,7 @@ from ark.core.envelope import (
 from ark.core.lease import LeasePolicy
 from ark.core.messages import (
     FlowId,
+    Key,
     Message,
     ProtocolError,
     Release,
@@ -540,12 +541,13 @@ class Node:
             return []
         st.served_at = now
         self.counters.sync_served += 1
-        items = [self._signed(m) for m in self.core.snapshot()]
+        snapshot = self.core.snapshot()
+        items = [self._signed(m) for m in snapshot]
         frozen = [[f[0], f[1], -1 if p is None else p, sh] for f, (p, sh) in self.core.frozen().items()]
         return [
             Send(peer, encode_envelope(K_SYNC_REP, self.host, self.incarnation, self._out_seq,
                                        [chunk, float(now), frozen_chunk, part, parts]))
-            for part, parts, chunk, frozen_chunk in sync_parts(items, frozen)
+            for part, parts, chunk, frozen_chunk in sync_parts(items, frozen, [m.flow for m in snapshot])
         ]
 
     def _on_sync_reply(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
@@ -707,11 +709,7 @@ class Node:
                 continue
             if self._takes(peer, m, raw, sig) and self._timely(m, now, direct=False) and self._in_our_scope(m):
                 msgs.append((m, raw, sig))
-        # Renewals and releases first: held as early messages, they tell the table how long
-        # each reservation really lived (a flow renewed long past its first lease is not
-        # stale although its RESERVE alone says so); then reservations in key order.
-        msgs.sort(key=lambda x: (1, x[0].key) if isinstance(x[0], Reserve) else (0, (x[0].ts, 0, 0)))
-        for m, raw, sig in msgs:
+        for m, raw, sig in _merge_order(msgs):
             self.core.receive(m, now, sender=m.flow[0], defer=True)
             self._keep_signature(m, raw, sig)
         self.events.extend(self.core.flush())
@@ -792,3 +790,27 @@ class Node:
                 self.events.extend(self.core.receive(Release(f, ts), now))
                 out.extend(self._publish([Release(f, ts)]))
         return out
+
+
+_RANK = {Renew: 0, Reserve: 1, Release: 2}
+
+
+def _merge_order(msgs: list[tuple[Message, bytes, bytes]]) -> list[tuple[Message, bytes, bytes]]:
+    """The order in which a snapshot part is applied: reservations in key order, each
+    right after its flow's renewal and right before its flow's release; then what is
+    left (renewals and releases of flows whose RESERVE the part does not carry) by time.
+
+    Whether a RESERVE is stale depends on how long its flow really lived, which only its
+    RENEW and RELEASE tell: a RENEW held as an early message keeps a flow renewed past its
+    first lease from being refused, and a RELEASE applied to the entry ends it. A RELEASE
+    of a flow not known yet, applied first, could be refused as stale while the RESERVE
+    behind it is not; one flow at a time, no early message waits longer than its RESERVE.
+    """
+    keys = {m.flow: m.key for m, _r, _s in msgs if isinstance(m, Reserve)}
+
+    def order(x: tuple[Message, bytes, bytes]) -> tuple[int, Key, int]:
+        m = x[0]
+        key = keys.get(m.flow)
+        return (0, key, _RANK[type(m)]) if key is not None else (1, (m.ts, 0, 0), 0)
+
+    return sorted(msgs, key=order)
