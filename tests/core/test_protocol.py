@@ -79,6 +79,17 @@ def test_intra_leaf_flows_reserve_nothing() -> None:
     assert c.cores[0].table() == {}
 
 
+def test_a_peers_reservation_on_one_leaf_holds_no_link() -> None:
+    """An owner never sends one, but a peer may: it is kept, holds nothing, blocks nobody."""
+    c = Cluster(PAPER)
+    peer = c.cores[5]
+    peer.receive(Reserve((0, 1), 1.0, 0, 3, 4791, 0, 49152, 10**9, 1e11), 1.0)
+    peer.receive(Release((0, 1), 1.5), 1.5)
+    d = c.request(5, 9, 10**9, 1.2)
+    assert d.reserved and d.path == 0
+    assert all((0, 1) not in hs for hs in peer.link_holders().values())
+
+
 def test_reservations_are_per_link() -> None:
     fab = spine_leaf(leaves=4, spines=2, gpus_per_leaf=2)
     c = Cluster(fab)

@@ -57,6 +57,7 @@ def write_cluster(
     extra_hosts: int = 0,
     spines: int = 4,
     peer_rate: float = 2000.0,
+    max_flows_per_host: int = 4096,
 ) -> tuple[Path, list[str]]:
     """Keys and a cluster file for ``n`` agents on a 2-leaf fabric with ``spines`` spines.
 
@@ -74,7 +75,8 @@ def write_cluster(
                                public_key=kp.public_key, sign_key=kp.sign_key, secret_key_file=f"keys/{name}.key_secret"))
     settings = ClusterSettings(policy=policy, lease_min_s=lease_min_s, heartbeat_s=heartbeat_s,
                                peer_timeout_s=max(1.0, 2 * heartbeat_s), sync_timeout_s=1.0,
-                               max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state", peer_rate=peer_rate)
+                               max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state", peer_rate=peer_rate,
+                               max_flows_per_host=max_flows_per_host)
     path = ClusterFile(cluster=settings, fabric=FabricConfig(leaves=2, spines=spines, gpus_per_leaf=per_leaf),
                        hosts=hosts).save(workdir / "cluster.toml")
     return path, names

@@ -177,7 +177,8 @@ def bench_agent(messages: int, rate: float, burst: int, as_json: bool) -> None:
     r = per_message(messages, rate, burst)
     _print_json_or_line(r, as_json, f"{r['received']} messages at {rate:g}/s in bursts of {burst}: "
                         f"{r['cpu_us_per_message']} us of agent CPU per received message, "
-                        f"{r['net_cpu_us_per_message']} us net of idle ({r['cpu_s_by_thread']})")
+                        f"{r['net_cpu_us_per_message']} us net of idle ({r['cpu_s_by_thread']}); "
+                        f"{r['invalid']} invalid, {r['overflow']} over the owner's cap")
 
 
 @bench.command("control-plane")

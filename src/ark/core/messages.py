@@ -82,6 +82,11 @@ class Renew(NamedTuple):
 Message = Reserve | Release | Renew
 
 
+# msgspec writes the same msgpack bytes as msgpack.packb(use_bin_type=True) for these bodies
+# (ints in their smallest form, floats as float64), several times faster; a test holds it.
+_ENCODER = msgspec.msgpack.Encoder()
+
+
 def encode(msg: Message) -> bytes:
     if isinstance(msg, Reserve):
         body = [
@@ -106,8 +111,7 @@ def encode(msg: Message) -> bytes:
         body = [WIRE_VERSION, T_RENEW, msg.flow[0], msg.flow[1], float(msg.ts), float(msg.expires)]
     else:
         raise TypeError(f"not a protocol message: {type(msg).__name__}")
-    out: bytes = msgpack.packb(body, use_bin_type=True)
-    return out
+    return _ENCODER.encode(body)
 
 
 def _int(v: object, name: str, hi: int) -> int:

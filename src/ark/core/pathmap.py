@@ -400,13 +400,20 @@ class PortBuckets:
         self._cursor = list(value)
 
     def take(self, path: int) -> int:
-        port = self.try_take(path)
-        if port is None:
+        bucket = self._lists[path] or self._list(path)
+        c = self._cursor[path]
+        if bucket and bucket[c % len(bucket)] not in self.in_use:  # the usual case: the next port is free
+            port: int = bucket[c % len(bucket)]
+            self._cursor[path] = (c + 1) % len(bucket)
+            self.in_use.add(port)
+            return port
+        taken = self.try_take(path)
+        if taken is None:
             n = len(self.map.buckets[path])
             if n == 0:
                 raise PathMapError(f"path {path}: no source port in range maps to it")
             raise PathMapError(f"path {path}: all {n} source ports are in use")
-        return port
+        return taken
 
     def try_take(self, path: int) -> int | None:
         """A free port of ``path`` (marked in use), or None when there is none."""

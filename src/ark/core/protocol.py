@@ -206,6 +206,7 @@ class ArkCore:
         self._idle: dict[tuple[int, int], None] = {}
         self._cursors: dict[tuple[int, int], tuple[int, ...]] = {}
         self._rates: dict[tuple[int, int], float] = {}
+        self._sids: dict[int, tuple[int, ...]] = {}  # per destination: the table's stage ids
         # Shared table only: our messages it has not received yet, and our view of the
         # reservations among them.
         self._pending: list[Message] = []
@@ -252,7 +253,11 @@ class ArkCore:
             return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
         if self._table.owner_count(self.host) >= self.limits.max_flows_per_host:
             raise CoreError(f"flows: this host holds {self.limits.max_flows_per_host} reservations (the limit)")
-        path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now))
+        if prefer_port is None and not self._pending:  # the usual request: the stage masks answer
+            sids = self._sids.get(dst) or self._stage_ids(dst)
+            path, pinned = self._table.lowest_free(sids, n, buckets.usable_mask), None
+        else:
+            path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now))
         shared = False
         if path is None:
             self.counters.fallbacks += 1
@@ -281,13 +286,17 @@ class ArkCore:
 
     def _lowest_free(self, dst: int, n: int, usable: int, now: float) -> int | None:
         if not self._pending:  # the table is our whole view: its stage masks answer
-            return self._table.lowest_free(self._table.pair_sids(self.host, dst), n, usable)
+            return self._table.lowest_free(self._sids.get(dst) or self._stage_ids(dst), n, usable)
         stages = self._table.stage_list(self.host, dst)
         key = (now, self.host, self._seq + 1)  # after everything we sent
         for k in range(n):
             if usable >> k & 1 and not any(self._view_held(st[k], key, now) for st in stages):
                 return k
         return None
+
+    def _stage_ids(self, dst: int) -> tuple[int, ...]:
+        sids = self._sids[dst] = self._table.pair_sids(self.host, dst)
+        return sids
 
     def _unreserved(self, flow: FlowId, dst: int, dport: int, path: int, port: int, *, fallback: bool) -> Decision:
         self._own[flow] = _Own(flow, dst, dport, path, port, False)
@@ -309,16 +318,19 @@ class ArkCore:
             self._overlay[flow] = Entry(msg, expires=msg.expires)
             changes = self.resync()
         else:
-            changes = [*self.sync(self._table.insert(msg)), *self.flush()]
+            inserted = self._table.insert(msg)
+            entry = self._table.get(flow)
+            if inserted and entry is not None and entry.path == path and entry.held:
+                changes = self.flush()  # the common case: it holds the path it asked for
+            else:
+                changes = [*self.sync(inserted), *self.flush()]
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
         # recomputation may move other local flows: report those as events.
-        events = tuple(e for e in changes if e.flow != flow)
+        events = tuple(e for e in changes if e.flow != flow) if changes else ()
         own = self._own[flow]
-        return Decision(
-            flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
-            reserved=own.reserved, shared=shared, fallback=shared or not own.reserved,
-            messages=(msg,), events=events,
-        )
+        # Positional: this is the decision's hot path (fields as Decision names them).
+        return Decision(flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
+                        own.reserved, shared, shared or not own.reserved, (msg,), events)
 
     def select_path(self, dst: int) -> int | None:
         """The lowest-index path to ``dst`` whose links are all free (None if none)."""
@@ -479,7 +491,9 @@ class ArkCore:
         """Run the table's deferred recomputation; keep what it moved for the next flush().
         (A shared table's owner settles it and tells each core itself.)"""
         if not self._shared:
-            self._settled.extend(self.sync(self._table.take_changed()))
+            changed = self._table.take_changed()
+            if changed is None or changed:
+                self._settled.extend(self.sync(changed))
 
     # ------------------------------------------------------------------ shared table
     def delivered(self, msg: Message) -> list[Repath]:

@@ -196,9 +196,12 @@ class ReservationTable:
         self._keys: list[Key] = []
         self._early_release: dict[FlowId, float] = {}
         self._early_renew: dict[FlowId, Renew] = {}
+        self._early_heap: list[tuple[float, FlowId]] = []  # (ts, flow) of kept early messages
         self._holders: dict[int, set[FlowId]] = {}
         self._stages = _StageIndex()
         self._stage_cache: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
+        # Per host pair, per path: the links the path holds (what links() answers).
+        self._path_links: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         # Largest end among entries taken out of the holders index early (released).
         self._max_released = -INF
         self._expired_upto = -INF  # entries ending at or before this hold nothing
@@ -212,6 +215,9 @@ class ReservationTable:
         # Per owner: XOR of (flow, end) hashes per 100 ms of end time (see state_digest).
         self._digest_buckets: dict[int, dict[int, int]] = {}
         self._digest_of: dict[FlowId, tuple[int, int]] = {}
+        # Flows whose end changed since the digest was last brought up to date: folded in
+        # when a digest is asked for (a HELLO), not on every message.
+        self._digest_dirty: set[FlowId] = set()
         self.limits = limits or CoreLimits.unbounded()
         self._per_owner: dict[int, int] = {}  # entries held per owner host
         self._early_per_owner: dict[int, int] = {}
@@ -308,6 +314,7 @@ class ReservationTable:
                 self.counters.duplicates += 1
             elif self._early_room(msg.flow, msg.flow not in self._early_release):
                 self._early_release[msg.flow] = msg.ts
+                self._early_pushed(msg.ts, msg.flow)
             return []
         if entry.released is not None and entry.released <= msg.ts:
             # Two RELEASEs for one flow (a predecessor's, after a restart): the
@@ -328,6 +335,7 @@ class ReservationTable:
                 old_r = self._early_renew.get(msg.flow)
                 if (old_r is None or old_r.expires < msg.expires) and self._early_room(msg.flow, old_r is None):
                     self._early_renew[msg.flow] = msg
+                    self._early_pushed(msg.ts, msg.flow)
             return []
         if msg.ts < entry.msg.ts or msg.expires < entry.msg.ts:
             self.counters.invalid += 1
@@ -350,6 +358,23 @@ class ReservationTable:
         self._early_per_owner[flow[0]] = n + 1
         return True
 
+    def _early_pushed(self, ts: float, flow: FlowId) -> None:
+        """Index a kept early message for forgetting (by its ``ts``); entries left behind by
+        messages since consumed or replaced are skipped, and compacted when they pile up."""
+        heap = self._early_heap
+        heapq.heappush(heap, (ts, flow))
+        if len(heap) > 1024 + 2 * (len(self._early_release) + len(self._early_renew)):
+            live = [(t, f) for f, t in self._early_release.items()]
+            live += [(r.ts, f) for f, r in self._early_renew.items()]
+            heapq.heapify(live)
+            self._early_heap = live
+
+    def _early_ts(self, flow: FlowId) -> float:
+        """The earliest ``ts`` of the early messages kept for ``flow`` (inf: none)."""
+        t = self._early_release.get(flow, INF)
+        r = self._early_renew.get(flow)
+        return t if r is None or r.ts > t else r.ts
+
     def _early_gone(self, flow: FlowId) -> None:
         n = self._early_per_owner.get(flow[0], 0) - 1
         if n > 0:
@@ -359,7 +384,7 @@ class ReservationTable:
 
     def insert(self, msg: Reserve) -> Changed:
         """Add an admissible RESERVE; the changed flows include ``msg.flow`` itself."""
-        entry = Entry(msg, expires=msg.expires)
+        entry = Entry(msg, None, None, False, msg.expires)
         key = msg.key
         # The fast path is exact when the holders index equals "entries whose end is
         # after msg.ts": no larger key exists and nothing ended early after msg.ts.
@@ -371,7 +396,10 @@ class ReservationTable:
         )
         self._entries[msg.flow] = entry
         self._per_owner[msg.flow[0]] = self._per_owner.get(msg.flow[0], 0) + 1
-        insort(self._keys, key)
+        if fast or (self._keys and key > self._keys[-1]):
+            self._keys.append(key)
+        else:
+            insort(self._keys, key)
         renew = self._early_renew.pop(msg.flow, None) if self._early_renew else None
         if renew is not None:
             self._early_gone(msg.flow)
@@ -390,8 +418,7 @@ class ReservationTable:
             self._defer(key)  # settle() evaluates it, with whatever else arrives in the batch
             return []
         holders = self._holders
-        stages = self.stage_list(msg.src, msg.dst)
-        links = [st[msg.path] for st in stages]
+        links = self.links(msg, msg.path)
         if not msg.shared and not any([holders.get(lk) for lk in links]):
             entry.path = msg.path  # the common case: requested path free
         else:
@@ -403,9 +430,9 @@ class ReservationTable:
 
             entry.path, entry.shared = self.assign(msg, held)
             if entry.path is not None:
-                links = [st[entry.path] for st in stages]
+                links = self.links(msg, entry.path)
         if entry.path is not None:
-            self._hold(msg.flow, links)
+            self._hold(msg.flow, links, entry)
         return [msg.flow]
 
     def apply_release(self, msg: Release) -> Changed:
@@ -465,6 +492,8 @@ class ReservationTable:
 
     def take_changed(self) -> Changed:
         """Settle, then the flows whose assignment changed since the last call (None: all)."""
+        if self._deferred is None and not self._changed and not self._changed_all:
+            return []  # the common case: nothing pending, nothing to report
         self.settle()
         if self._changed_all:
             self._changed_all, self._changed = False, []
@@ -571,7 +600,7 @@ class ReservationTable:
             else:
                 del self._per_owner[flow[0]]
             self._live.discard(flow)
-            self._digest_set(flow, None)
+            self._digest_dirty.add(flow)
             i = bisect_left(self._keys, e.msg.key)
             del self._keys[i]
             # Later reservations that started while this one was active keep the
@@ -580,9 +609,15 @@ class ReservationTable:
             while i < len(keys) and keys[i][0] < end:
                 self._entries[(keys[i][1], keys[i][2])].frozen = True
                 i += 1
-        for d in (self._early_release, self._early_renew):
-            for f in [f for f, t in d.items() if (t if isinstance(t, float) else t.ts) < horizon]:
-                del d[f]
+        heap = self._early_heap
+        while heap and heap[0][0] < horizon:
+            _, f = heapq.heappop(heap)
+            if self._early_release.get(f, INF) < horizon:
+                del self._early_release[f]
+                self._early_gone(f)
+            r = self._early_renew.get(f)
+            if r is not None and r.ts < horizon:
+                del self._early_renew[f]
                 self._early_gone(f)
 
     def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]],
@@ -620,9 +655,11 @@ class ReservationTable:
             t = min(t, deadline_after(self._end_heap[0][0], self.expiry_grace_s + self.purge_slack_s, strict=False))
         if self._purge_heap:
             t = min(t, deadline_after(self._purge_heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
-        if self._early_release or self._early_renew:
-            early = min([*self._early_release.values(), *(r.ts for r in self._early_renew.values())])
-            t = min(t, deadline_after(early, self.retention_s + self.purge_slack_s, strict=True))
+        heap = self._early_heap
+        while heap and self._early_ts(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)  # a message consumed or replaced since: nothing to forget then
+        if heap:
+            t = min(t, deadline_after(heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
         return t
 
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
@@ -680,6 +717,7 @@ class ReservationTable:
         # XOR of per-entry hashes kept per 100 ms of end time: order-free and cheap.
         # Python's hash of ints and floats is not salted, so every process computes
         # the same value.
+        self._fold_digest()
         lo = _bucket_of(since)
         hi = _NO_END_BUCKET + 1 if until == INF else _bucket_of(until)
         owners = self._digest_buckets.values() if owner is None else [self._digest_buckets.get(owner, {})]
@@ -747,17 +785,24 @@ class ReservationTable:
         return msg.path < self.routes.n_paths(msg.src, msg.dst)
 
     def links(self, msg: Reserve, path: int) -> tuple[int, ...]:
-        return tuple(st[path] for st in self.stage_list(msg.src, msg.dst))
+        by_path = self._path_links.get((msg.src, msg.dst))
+        if by_path is None:
+            stages = self.stage_list(msg.src, msg.dst)
+            by_path = self._path_links[(msg.src, msg.dst)] = tuple(
+                tuple(st[k] for st in stages) for k in range(len(stages[0]))) if stages else ()
+        return by_path[path] if by_path else ()  # a pair on one leaf: its one path holds no link
 
-    def _hold(self, flow: FlowId, links: Sequence[int]) -> None:
-        self._entries[flow].held = True
+    def _hold(self, flow: FlowId, links: Sequence[int], entry: Entry | None = None) -> None:
+        (entry or self._entries[flow]).held = True
+        holders = self._holders
         for lk in links:
-            s = self._holders.get(lk)
-            if s is None:
-                s = self._holders[lk] = set()
+            s = holders.get(lk)
             if not s:
+                if s is None:
+                    s = holders[lk] = set()
+                masks = self._stages.masks
                 for sid, k in self._stages.by_link.get(lk, ()):
-                    self._stages.masks[sid] |= 1 << k
+                    masks[sid] |= 1 << k
             s.add(flow)
 
     def _unhold(self, flow: FlowId, links: Sequence[int]) -> None:
@@ -783,6 +828,14 @@ class ReservationTable:
             return msg.path, True
         return None, False
 
+    def _fold_digest(self) -> None:
+        """Bring the per-owner digest buckets up to date with every end changed since."""
+        dirty, entries = self._digest_dirty, self._entries
+        for f in dirty:
+            e = entries.get(f)
+            self._digest_set(f, None if e is None else e.end)
+        dirty.clear()
+
     def _digest_set(self, flow: FlowId, end: float | None) -> None:
         buckets = self._digest_buckets.get(flow[0])
         if buckets is None:
@@ -803,7 +856,10 @@ class ReservationTable:
 
     def _push_end(self, entry: Entry) -> None:
         end = entry.end
-        self._digest_set(entry.msg.flow, end)
+        dirty = self._digest_dirty
+        dirty.add(entry.msg.flow)
+        if len(dirty) > 4096 + 2 * len(self._entries):  # nobody asks for digests (a simulator)
+            self._fold_digest()
         if end > self._expired_upto:
             self._live.add(entry.msg.flow)
         else:
