@@ -338,3 +338,35 @@ def test_cluster_path_maps_from_files(tmp_path) -> None:
     assert loaded.hash == "crc16-ccitt" and loaded.seed == 9
     other = cl.pathmaps()(dst.index, src.index, 4791)  # no file: from the fabric
     assert other.hash == cl.fabric.leaves[0].hash
+
+
+def test_scoped_agents_talk_only_within_their_declared_traffic(tmp_path) -> None:
+    """scope = "declared" over real sockets: senders hear each other, a host that sends
+    nothing hears nobody and reserves nothing; a destination not declared is reserved only
+    when its paths use no link outside the sender's component (here: the same two leaves)."""
+    (tmp_path / "api").mkdir()
+    sends = {"gpu0": ["gpu3"], "gpu1": ["gpu4"]}  # leaf 0 -> leaf 1; gpu2 and leaf 1 send nothing
+    cfile, names = write_cluster(tmp_path, 6, lease_min_s=0.6, heartbeat_s=0.1, sends_to=sends)
+    procs = AgentProcs(cfile, names, tmp_path)
+    try:
+        for n in names:
+            procs.start(n)
+        procs.wait_ready(names)
+        st = procs.status(names)
+        assert sorted(st["gpu0"]["peers"]) == ["gpu1"] and sorted(st["gpu1"]["peers"]) == ["gpu0"]
+        assert all(st[n]["peers"] == {} for n in ("gpu2", "gpu3", "gpu4", "gpu5"))
+        with ArkClient(procs.api("gpu0")) as c:
+            lease = c.reserve("gpu3", 10**6)
+            other = c.reserve("gpu5", 10**6)  # not declared, but its links are the component's
+            assert lease.reserved and other.reserved
+        for src, dst in (("gpu2", "gpu3"), ("gpu3", "gpu0")):  # senders of nothing: plain ECMP
+            with ArkClient(procs.api(src)) as c:
+                assert not c.reserve(dst, 10**6).reserved
+        time.sleep(0.3)
+        t = tables(procs, names)
+        held = {n: {tuple(f[:2]) for f in t[n]["flows"]} for n in names}
+        assert held["gpu0"] == held["gpu1"] == {tuple(lease.flow_id), tuple(other.flow_id)}
+        assert all(not held[n] for n in ("gpu2", "gpu3", "gpu4", "gpu5"))
+        assert procs.status(["gpu2"])["gpu2"]["node"]["received"] == 0
+    finally:
+        procs.stop_all()

@@ -140,6 +140,7 @@ class Agent:
         self._up: dict[int, bool] = {}
         self._timers_at = 0.0
         self._peers_due = 0.0  # peer messages wait until then (a batch window, ``batch_s``)
+        self._arrivals = _ArrivalRate(0.1)  # peer messages per second, over the last 0.1 s
         self._was_ready = False
         self._skewed = ""
         self.dropped_out = 0
@@ -267,28 +268,33 @@ class Agent:
         if self.api_sock in events:
             self._drain_api()
         if self.inbox in events:
-            self._drain_peers()
-            self._peers_due = time.time() + self.cluster.batch_s
+            n = self._drain_peers()
+            now = time.time()
+            # Busy (messages faster than one per batch_s): wait batch_s for the next batch,
+            # so that one wakeup serves several. Quiet: the next message is handled at once.
+            if self._arrivals.add(n, now) * self.cluster.batch_s > 1.0:
+                self._peers_due = now + self.cluster.batch_s
         if self.refresher.wake_r in events:
             for rid, res in self.refresher.results():
                 self.finish_refresh(rid, res)
         if events:  # what arrived may have brought a deadline forward (a sync sent, a lease)
             self._timers_at = min(self._timers_at, self.node.next_deadline(time.time()))
 
-    def _drain_peers(self, limit: int = 1024, slice_: int = 16) -> None:
-        """Handle waiting peer messages; every ``slice_`` of them, serve the local API first
-        (an engine waiting for a lease must not wait behind a flood)."""
+    def _drain_peers(self, limit: int = 1024, slice_: int = 16) -> int:
+        """Handle waiting peer messages (how many); every ``slice_`` of them, serve the local
+        API first (an engine waiting for a lease must not wait behind a flood)."""
         sock, api = self.inbox, self.api_sock
+        i = 0
         try:
-            for i in range(limit):
-                if not _readable(sock):
-                    return
+            while i < limit and _readable(sock):
                 self._peer_message(_frames(sock))
-                if i % slice_ == slice_ - 1 and _readable(api):
+                i += 1
+                if i % slice_ == 0 and _readable(api):
                     self._settle()
                     self._drain_api(64)
         finally:
             self._settle()
+        return i
 
     def _settle(self) -> None:
         try:
@@ -411,6 +417,24 @@ class Agent:
         if self.registry is None:
             self.registry = registry(self)
         return self.registry
+
+
+class _ArrivalRate:
+    """Events per second over the last ``span_s`` (two half-open windows, no per-event state)."""
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self.start = 0.0
+        self.count = 0
+        self.rate = 0.0
+
+    def add(self, n: int, now: float) -> float:
+        if now - self.start >= self.span_s:
+            elapsed = now - self.start
+            self.rate = self.count / elapsed if elapsed < 2 * self.span_s else 0.0
+            self.start, self.count = now, 0
+        self.count += n
+        return max(self.rate, self.count / self.span_s)
 
 
 def _readable(sock: zmq.Socket) -> bool:
