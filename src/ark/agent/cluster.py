@@ -83,9 +83,10 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_local_flows: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 4096
     max_dports: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 8
     peer_rate: Annotated[float, msgspec.Meta(ge=10, le=1e7)] = 2000.0  # messages/s a peer may send
-    # Peer messages are taken in batches at most this often: one that arrives soon after a
-    # batch waits (at most this long) for those behind it. A wakeup costs an agent several
-    # times what handling a message costs, so under load this is what keeps it cheap.
+    # While peer messages arrive faster than one per batch_s, they are taken in batches at
+    # most this often: one that arrives soon after a batch waits (at most this long) for
+    # those behind it. A wakeup costs an agent several times what handling a message costs,
+    # so under load this is what keeps it cheap; a quiet agent handles each message at once.
     batch_s: Annotated[float, msgspec.Meta(ge=0, le=0.05)] = 0.001
     max_connections: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0  # inbound; 0: 4 per host + 64
     # "full": every agent hears every reservation. "declared": each host lists the hosts it
