@@ -91,7 +91,7 @@ def test_bench_controller_json() -> None:
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     for k in ("precompute_ms_per_peer", "hash_ns_per_port", "select_us_k4", "select_us_k1000",
-              "decision_us_p50", "decision_us_p99"):
+              "decision_us_p50", "decision_us_p99", "decision_lease_us_p50", "decision_lease_us_p99"):
         assert d[k] > 0
 
 

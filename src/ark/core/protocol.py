@@ -328,9 +328,11 @@ class ArkCore:
         # recomputation may move other local flows: report those as events.
         events = tuple(e for e in changes if e.flow != flow) if changes else ()
         own = self._own[flow]
-        # Positional: this is the decision's hot path (fields as Decision names them).
-        return Decision(flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
-                        own.reserved, shared, shared or not own.reserved, (msg,), events)
+        return Decision(
+            flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
+            reserved=own.reserved, shared=shared, fallback=shared or not own.reserved,
+            messages=(msg,), events=events,
+        )
 
     def select_path(self, dst: int) -> int | None:
         """The lowest-index path to ``dst`` whose links are all free (None if none)."""
@@ -490,7 +492,7 @@ class ArkCore:
     def _settle(self) -> None:
         """Run the table's deferred recomputation; keep what it moved for the next flush().
         (A shared table's owner settles it and tells each core itself.)"""
-        if not self._shared:
+        if not self._shared and self._table.dirty:
             changed = self._table.take_changed()
             if changed is None or changed:
                 self._settled.extend(self.sync(changed))

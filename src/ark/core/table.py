@@ -226,6 +226,8 @@ class ReservationTable:
         # Recomputation is deferred while messages arrive in a batch (see settle()); what a
         # settled recomputation changed waits for take_changed().
         self._deferred: Key | None = None
+        # True while a recomputation is deferred or its changes wait for take_changed().
+        self.dirty = False
         self._changed: list[FlowId] = []
         self._changed_all = False
         self._handlers: dict[type, Callable[[Any], Changed]] = {
@@ -472,6 +474,7 @@ class ReservationTable:
 
     def _defer(self, start: Key) -> None:
         self._deferred = start if self._deferred is None else min(self._deferred, start)
+        self.dirty = True
 
     def settle(self) -> None:
         """Run a deferred recomputation now (its changes wait for :meth:`take_changed`).
@@ -492,9 +495,10 @@ class ReservationTable:
 
     def take_changed(self) -> Changed:
         """Settle, then the flows whose assignment changed since the last call (None: all)."""
-        if self._deferred is None and not self._changed and not self._changed_all:
+        if not self.dirty:
             return []  # the common case: nothing pending, nothing to report
         self.settle()
+        self.dirty = False
         if self._changed_all:
             self._changed_all, self._changed = False, []
             return EVERY_FLOW
