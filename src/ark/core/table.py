@@ -421,7 +421,11 @@ class ReservationTable:
             return []
         holders = self._holders
         links = self.links(msg, msg.path)
-        if not msg.shared and not any([holders.get(lk) for lk in links]):
+        free = not msg.shared
+        for lk in links:  # a plain loop: this is every reservation's path
+            if free and holders.get(lk):
+                free = False
+        if free:
             entry.path = msg.path  # the common case: requested path free
         else:
             entries, ts = self._entries, msg.ts
