@@ -21,7 +21,9 @@ from typing import Any, Protocol
 
 from ark.core.messages import FlowId, Key, Message, Release, Renew, Reserve
 
-POLICIES = ("ark", "ark-balance")
+POLICIES = ("ark", "ark-balance", "ark-split")
+# Policies under which a reservation that finds no free path shares its requested one.
+SHARING_POLICIES = ("ark-balance", "ark-split")
 INF = float("inf")
 _NO_END_BUCKET = 2**62
 _BUCKETS_PER_S = 10
@@ -779,7 +781,7 @@ class ReservationTable:
         for k in range(len(stages[0])):
             if not any(held(st[k]) for st in stages):
                 return k, False
-        if self.policy == "ark-balance":
+        if self.policy in SHARING_POLICIES:
             return msg.path, True
         return None, False
 
