@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import click
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ark.sim import config as cfgmod
 from ark.sim.config import ConfigError, ExperimentConfig
@@ -64,3 +68,18 @@ def jobs_default() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
+
+
+@contextmanager
+def run_progress(total: int, disable: bool = False) -> Iterator[Callable[[Any], None]]:
+    """A progress bar on stderr over ``total`` simulator runs; yields the per-run tick."""
+    with Progress(
+        TextColumn("[bold]simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), console=err, transient=True, disable=disable,
+    ) as prog:
+        task = prog.add_task("", total=total)
+
+        def tick(sp: Any) -> None:
+            prog.update(task, advance=1, description=f"{sp.scheme} qps={sp.qps:g} seed={sp.seed}")
+
+        yield tick
