@@ -66,6 +66,28 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
     )
 
 
+@bench.command("compare")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: CPU count).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_compare(jobs: int | None, as_json: bool) -> None:
+    """Wall time of `ark compare` on the default config (no files), against `ark reproduce`
+    measured right after it on the same machine."""
+    from ark.sim.bench import compare as bench_cmp
+
+    res = bench_cmp(cfgmod.default(), jobs or jobs_default())
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    out.print(
+        f"ark compare: {res['runs']} runs ({len(res['schemes'])} schemes) x {res['requests_per_run']} requests on "
+        f"{res['jobs']} workers ({res['cpus']} CPUs, load average {res['load_average_before']} before, "
+        f"{res['load_average_after']} after): {res['wall_s']:.1f} s wall (target <= {res['target_wall_s']:g} s), "
+        f"{res['events']} events, {res['events_per_s']:.0f} events/s; ark reproduce's {res['reproduce_runs']} runs "
+        f"right after: {res['reproduce_wall_s']:.1f} s (ratio {res['ratio_to_reproduce']:.2f})"
+    )
+    out.print("events by scheme: " + ", ".join(f"{k} {v}" for k, v in res["events_by_scheme"].items()))
+
+
 @bench.command("scale")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(list(SCHEMES)),
               help="Repeat for several (default: ark).")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,19 +195,26 @@ def _run_task(args: tuple[ExperimentConfig, RunSpec]) -> RunOutput:
     return run_one(*args)
 
 
-def iter_sweep(cfg: ExperimentConfig, jobs: int = 1, keep_flows: bool = False) -> Iterator[tuple[RunSpec, RunOutput]]:
-    """Yield runs as they finish (in completion order with ``jobs`` > 1)."""
-    specs = plan(cfg, keep_flows)
+def run_tasks(
+    tasks: Sequence[tuple[ExperimentConfig, RunSpec]], jobs: int = 1, progress: Callable[[RunSpec], None] | None = None,
+) -> list[RunOutput]:
+    """Runs of possibly different experiments, on a pool of ``jobs`` processes; the outputs
+    in the order of ``tasks`` (so results do not depend on ``jobs``)."""
+    outs: list[RunOutput | None] = [None] * len(tasks)
     if jobs <= 1:
-        for sp in specs:
-            yield sp, run_one(cfg, sp)
-        return
-    # Heaviest (highest QPS) first so the pool's tail is short.
-    order = sorted(specs, key=lambda s: -s.qps)
-    with ProcessPoolExecutor(max_workers=jobs) as ex:
-        futs = {ex.submit(_run_task, (cfg, sp)): sp for sp in order}
-        for fut in as_completed(futs):
-            yield futs[fut], fut.result()
+        for i, t in enumerate(tasks):
+            outs[i] = run_one(*t)
+            if progress is not None:
+                progress(t[1])
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as ex:
+            order = sorted(range(len(tasks)), key=lambda i: -tasks[i][1].qps)
+            futs = {ex.submit(_run_task, tasks[i]): i for i in order}
+            for fut in as_completed(futs):
+                outs[futs[fut]] = fut.result()
+                if progress is not None:
+                    progress(tasks[futs[fut]][1])
+    return [o for o in outs if o is not None]
 
 
 FlowKey = tuple[str, float, int]  # (scheme, qps, seed)
@@ -227,12 +234,8 @@ def run_sweep(
     progress: Callable[[RunSpec], None] | None = None,
     keep_flows: bool = False,
 ) -> Sweep:
-    outs: dict[RunSpec, RunOutput] = {}
-    for sp, out in iter_sweep(cfg, jobs, keep_flows):
-        outs[sp] = out
-        if progress is not None:
-            progress(sp)
     specs = plan(cfg, keep_flows)
+    outs = dict(zip(specs, run_tasks([(cfg, sp) for sp in specs], jobs, progress), strict=True))
     records = [outs[sp].record for sp in specs]
     timelines: dict[str, list[tuple[float, tuple[int, ...]]]] = {}
     tq = None
