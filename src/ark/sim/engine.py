@@ -127,6 +127,9 @@ class SimResult:
     stale: int = 0  # ARK sub-flows a link failure moved off their reserved path before the maps were rebuilt
     rebuild_repathed: int = 0  # reservations re-made when the maps were rebuilt
     mismatches_after_rebuild: int = 0
+    # One-way delays the control messages met (in-band control: with the data's queues).
+    control_delay_mean_s: float = 0.0
+    control_delay_max_s: float = 0.0
 
 
 class FluidSim:
@@ -277,6 +280,8 @@ class FluidSim:
             list(self._sent_by_host), race_moved=len(self._race_moved), moves=lb.moves if lb else 0,
             rehashes=getattr(lb, "rehashes", 0), stale=self._stale, rebuild_repathed=self._rebuild_repathed,
             mismatches_after_rebuild=self._after_rebuild,
+            control_delay_mean_s=self._ctl_sum / self._ctl_n if self._ctl_n else self.delay,
+            control_delay_max_s=self._ctl_max if self._ctl_n else self.delay,
         )
 
     def _reset(self, flows: Sequence[FlowSpec]) -> None:
@@ -306,6 +311,7 @@ class FluidSim:
         self._race_moved: set[int] = set()
         self._routes: FailedRoutes | None = None
         self._ctl_links: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._ctl_sum, self._ctl_n, self._ctl_max = 0.0, 0, 0.0
         self._sent_by_host = [0] * self.fabric.n_hosts
         self._now = 0.0
         self._dirty = False
@@ -737,7 +743,11 @@ class FluidSim:
             elif self.control_on_data:
                 for h in range(n):
                     if h != src:
-                        self.schedule(t + self._delay_to(src, h), _DELIVER, (m, (h,)))
+                        d = self.control_delay(src, h)
+                        self._ctl_sum += d
+                        self._ctl_n += 1
+                        self._ctl_max = max(self._ctl_max, d)
+                        self.schedule(t + d, _DELIVER, (m, (h,)))
             elif self.jitter:
                 for h in range(n):
                     if h != src:
@@ -745,9 +755,9 @@ class FluidSim:
             else:
                 self.schedule(t + self.delay, _DELIVER, (m, tuple(h for h in range(n) if h != src)))
 
-    def _delay_to(self, src: int, dst: int) -> float:
+    def control_delay(self, src: int, dst: int) -> float:
         """In-band control: the delay plus jitter, plus the standing queue at every switch
-        egress of the control connection's path that data keeps saturated."""
+        egress of the control connection's path where data is bottlenecked now."""
         d = self.delay + (float(self.rng.uniform(0, self.jitter)) if self.jitter else 0.0)
         links = self._ctl_links.get((src, dst))
         if links is None:

@@ -37,7 +37,8 @@ _PATHMAPS: dict[tuple[Fabric, tuple[int, int]], PathMapCache] = {}
 
 
 # Further keys of every record (results.json keeps RECORD_KEYS; ark compare writes these too).
-EXTRA_KEYS = ("race_moved", "moves", "rehashes", "stale", "rebuild_repathed", "mismatches_after_rebuild")
+EXTRA_KEYS = ("race_moved", "moves", "rehashes", "stale", "rebuild_repathed", "mismatches_after_rebuild",
+              "control_delay_mean_s", "control_delay_max_s")
 PHASES = ("before", "during", "after")  # flows by start time around a link change
 
 

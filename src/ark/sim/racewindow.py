@@ -114,6 +114,8 @@ def _rows(groups: dict[tuple[RacePoint | None, str], list[dict[str, Any]]], sche
                      "races_per_1000": 1000.0 * sum(r["races"] for r in rs) / flows,
                      "moved_per_1000": 1000.0 * sum(r["race_moved"] for r in rs) / flows,
                      "mismatches": int(sum(r["path_mismatches"] for r in rs)),
+                     "control_delay_mean_us": 1e6 * float(np.mean([r["control_delay_mean_s"] for r in rs])),
+                     "control_delay_max_us": 1e6 * max(r["control_delay_max_s"] for r in rs),
                      "fct_change": fct / ref[s] - 1.0, "gain_vs_ecmp": 1.0 - fct / ecmp})
     return rows
 
