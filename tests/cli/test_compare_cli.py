@@ -30,7 +30,7 @@ def test_compare_writes_results_summary_and_figures(tmp_path) -> None:
             "--seeds", "1", "--jobs", "1", "--fail-link", "0:1@1.5", "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert "which scheme at which load" in p.stdout and "link change: leaf0-spine1 down at 1.5 s" in p.stdout
-    for name in ("results.json", "results.csv", "compare.json", "results.md", "fct_vs_qps.png", "fct_cdf.png",
+    for name in ("results.json", "results.csv", "compare.json", "results.md", "compare_fct.png", "fct_cdf.png",
                  "slowdown.png"):
         assert (out / name).stat().st_size > 0, name
     assert len(json.loads((out / "results.json").read_text())) == 8
@@ -48,3 +48,14 @@ def test_race_window_json(tmp_path) -> None:
     assert {r["sweep"] for r in d["rows"]} == {"ecmp", "reference", "delay", "skew"}
     assert "ark" in d["halving_delay_us"]
     assert (tmp_path / "rw" / "race_window.png").stat().st_size > 0
+
+
+def test_set_overrides_a_config_value(tmp_path) -> None:
+    p = ark("compare", "--schemes", "ecmp,ark-split", "--qps", "10", "--requests", "30", "--seeds", "1", "--jobs", "1",
+            "--set", "serving.kv_transfer=per-layer", "--set", "params.split.parts=2", "--no-plots", "--json",
+            "--out", str(tmp_path / "o"))
+    assert p.returncode == 0, p.stderr
+    md = (tmp_path / "o" / "results.md").read_text()
+    assert "KV transfer `per-layer`" in md
+    one_line_error(ark("compare", "--set", "params.split.parts=0", "--qps", "5"), "params.split.parts")
+    one_line_error(ark("compare", "--set", "nokey", "--qps", "5"), "--set")

@@ -45,7 +45,7 @@ def fct_rich(rows: Sequence[dict[str, Any]], schemes: Sequence[str]) -> Table:
 
 
 def decision_rich(dec: Sequence[dict[str, Any]]) -> Table:
-    t = Table(title="which scheme at which load (spray is the bound, not deployable)")
+    t = Table(title="which scheme at which load (spray and oracle-path are bounds, not deployable)")
     for c in ("QPS", "best", "as good (within 5%)", "best ARK", "x spray", "Δ ECMP", "best other", "x spray"):
         t.add_column(c, justify="right" if c in ("QPS", "x spray", "Δ ECMP") else "left")
     for d in dec:
@@ -71,13 +71,15 @@ def _plots(comp: Any, od: Path) -> list[Path]:
 
     cfg = comp.cfg
     nic = cfg.fabric.build().hosts[0].nic_bps * cfg.fabric.build().efficiency / 8
-    files = [plots.fct_vs_qps(comp.records, od), plots.fct_cdf(comp.sweep.flows, od)]
+    files = [plots.compare_fct(comp.records, od), plots.fct_cdf(comp.sweep.flows, od)]
     sl = plots.slowdown(slowdown(comp.sweep, nic, detail_qps(cfg)), od)
     return files + ([sl] if sl is not None else [])
 
 
 @click.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (default: the paper's setup).")
+@click.option("--set", "sets", multiple=True, metavar="TABLE.KEY=VALUE",
+              help="Override one config value, e.g. serving.kv_transfer=per-layer or params.split.parts=2 (repeat).")
 @click.option("--schemes", help=f"Comma-separated subset of {','.join(SCHEMES)} (default: all of them).")
 @click.option("--fail-link", "fail_link", metavar="L:S@T[:FRACTION]",
               help="Link leaf L - spine S fails at T seconds (or drops to FRACTION of its rate).")
@@ -87,10 +89,11 @@ def _plots(comp: Any, od: Path) -> list[Path]:
 @click.option("--out", "out_dir", default="ark-compare", show_default=True, help="Output folder.")
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: CPU count).")
 @click.option("--no-plots", is_flag=True, help="Skip the PNG figures.")
+@click.option("--figures", "fig_dir", type=click.Path(file_okay=False), help="Write the figures here (default: --out).")
 @click.option("--json", "as_json", is_flag=True, help="Print the tables as JSON.")
-def compare(config_path: str | None, schemes: str | None, fail_link: str | None, qps: str | None,
-            requests: int | None, seeds: str | None, out_dir: str, jobs: int | None, no_plots: bool,
-            as_json: bool) -> None:
+def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None, fail_link: str | None,
+            qps: str | None, requests: int | None, seeds: str | None, out_dir: str, jobs: int | None, no_plots: bool,
+            fig_dir: str | None, as_json: bool) -> None:
     """Every baseline, ARK policy and the ideal spray on the same workloads: FCT tables,
     CDFs, slowdown against size and the "which scheme at which load" summary (results.md)."""
     from ark.sim.compare import (
@@ -103,7 +106,7 @@ def compare(config_path: str | None, schemes: str | None, fail_link: str | None,
     )
     from ark.sim.experiment import plan
 
-    cfg = load_config(config_path).with_overrides(
+    cfg = load_config(config_path, sets).with_overrides(
         qps=qps_list(qps), requests=requests, seeds=seeds_option(seeds),
         failure=parse_link_change(fail_link) if fail_link else None)
     cfg = compare_config(cfg, schemes_option(schemes))
@@ -111,7 +114,9 @@ def compare(config_path: str | None, schemes: str | None, fail_link: str | None,
         comp = run_compare(cfg, jobs or jobs_default(), tick)
     files = write_compare(out_dir, comp)
     if not no_plots:
-        files += _plots(comp, Path(out_dir))
+        fd = Path(fig_dir or out_dir)
+        fd.mkdir(parents=True, exist_ok=True)
+        files += _plots(comp, fd)
     rows = fct_table(comp.records)
     dec, fail = decisions(rows), failure_table(comp.records)
     if as_json:

@@ -23,6 +23,7 @@ STYLE = {
     "letflow": dict(color="#8c564b", marker="*", linestyle="-.", label="LetFlow"),
     "conga": dict(color="#e377c2", marker="h", linestyle="-.", label="CONGA"),
     "hedera": dict(color="#bcbd22", marker="X", linestyle="-.", label="Hedera"),
+    "oracle-path": dict(color="#000000", marker=".", linestyle=":", label="single-path oracle"),
 }
 
 
@@ -66,6 +67,15 @@ def fct_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
         [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p95_s", "P95 KV-transfer FCT (s)")],
         out / "fct_vs_qps.png",
         "KV-cache flow completion time (mean over seeds; bars: min-max)",
+    )
+
+
+def compare_fct(records: Sequence[dict[str, Any]], out: Path) -> Path:
+    return _metric_figure(
+        records,
+        [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p99_s", "P99 KV-transfer FCT (s)")],
+        out / "compare_fct.png",
+        "every scheme on the same workloads (mean over seeds; bars: min-max)",
     )
 
 

@@ -22,6 +22,8 @@ an experiment file (:class:`SchemeParams`), with the published defaults.
 * :class:`Hedera`: a central scheduler that every ``period_s`` estimates the natural
   demand of the elephants (flows above ``elephant_fraction`` of the NIC rate) and places
   them by Global First Fit; flows it moves change path at that poll.
+* :class:`OraclePath` (``oracle-path``): not a deployable scheme but a bound: each flow on
+  one path, chosen with every flow's bytes left known.
 
 A KV transfer is gapless unless the serving engine sends it in chunks (``[serving]
 kv_transfer = "per-layer"``), so flowlets exist only between chunks.
@@ -135,7 +137,7 @@ class Balancer:
         self.sim = sim
         self.moves = 0
 
-    def first(self, src: int, dst: int) -> int | None:
+    def first(self, src: int, dst: int, nbytes: int) -> int | None:
         """A new flow's first path (None: the switch hash of its random port)."""
         return None
 
@@ -392,7 +394,7 @@ class Conga(Balancer):
             return prev
         return cands[int(self.sim.lb_rng.integers(len(cands)))]
 
-    def first(self, src: int, dst: int) -> int | None:
+    def first(self, src: int, dst: int, nbytes: int) -> int | None:
         if self.sim.fabric.n_paths(src, dst) == 1:
             return 0
         return self.choose(src, dst, None)
@@ -516,6 +518,31 @@ class Hedera(Balancer):
         self.placed.pop(t.id, None)
 
 
+# ---------------------------------------------------------------------------------------
+# The single-path bound
+# ---------------------------------------------------------------------------------------
+class OraclePath(Balancer):
+    """Not deployable: a controller that knows every flow's bytes left puts each new flow on
+    the path where it would finish first under processor sharing (its bytes plus, of each
+    flow already there, as many bytes as it has or as the new flow has, whichever is less).
+    What a single-path placement with perfect information reaches."""
+
+    def first(self, src: int, dst: int, nbytes: int) -> int | None:
+        sim = self.sim
+        group = sim.group(src, dst)
+        if len(group) == 1:
+            return group[0]
+        now, ahead = sim.now, dict.fromkeys(group, 0.0)
+        stages = sim.fabric.stages(src, dst)
+        mine = {st[k]: k for st in stages for k in group}
+        for t in sim.transfers():
+            left = max(0.0, t.remaining - t.rate * (now - t.t_upd)) + t.chunks_left * t.chunk_bytes
+            # Charge a flow once per path of ours it shares a reservable link with.
+            for k in {mine[lk] for lk in t.subs[0].links if lk in mine}:
+                ahead[k] += min(left, float(nbytes))
+        return min(group, key=lambda k: (ahead[k], k))
+
+
 def make_balancer(scheme: str, params: SchemeParams, sim: Fluid) -> Balancer | None:
     """The balancer of a baseline scheme (None for the others)."""
     if scheme == "plb":
@@ -526,4 +553,6 @@ def make_balancer(scheme: str, params: SchemeParams, sim: Fluid) -> Balancer | N
         return Conga(sim, params.conga)
     if scheme == "hedera":
         return Hedera(sim, params.hedera)
+    if scheme == "oracle-path":
+        return OraclePath(sim)
     return None

@@ -30,6 +30,8 @@ Schemes:
 * ``ecmp-split``: the same sub-flows on random source ports (what an engine with several
   connections gets without ARK).
 * ``plb``, ``letflow``, ``conga``, ``hedera``: the baselines of :mod:`ark.sim.balancers`.
+* ``oracle-path``: one path per flow, chosen by a controller that knows every flow's bytes
+  left (:class:`ark.sim.balancers.OraclePath`): the bound of single-path placement.
 * ``spray``: ideal per-packet spraying: at every hop stage a flow uses the aggregate of
   all the links its equal-cost paths could take there (2-tier: all uplinks of its source
   leaf, all downlinks of its destination leaf; 3-tier: also all aggregation-core links of
@@ -70,7 +72,8 @@ __all__ = [
     "maxmin_rates",
 ]
 
-SCHEMES = ("ecmp", "ark", "ark-balance", "spray", "plb", "letflow", "conga", "hedera", "ark-split", "ecmp-split")
+SCHEMES = ("ecmp", "ark", "ark-balance", "spray", "plb", "letflow", "conga", "hedera", "ark-split", "ecmp-split",
+           "oracle-path")
 REPRODUCED = ("ecmp", "ark", "ark-balance", "spray")  # what an experiment runs unless told otherwise
 ARK_SCHEMES = ("ark", "ark-balance", "ark-split")
 SPLIT_SCHEMES = ("ark-split", "ecmp-split")
@@ -480,7 +483,7 @@ class FluidSim:
     def _first(self, f: FlowSpec, res: FlowResult) -> SubFlow:
         """The one path of a single-path scheme."""
         core_flow = None
-        first = self.balancer.first(f.src, f.dst) if self.balancer is not None else None
+        first = self.balancer.first(f.src, f.dst, f.nbytes) if self.balancer is not None else None
         if first is not None:
             port, path = -1, first
         elif self.scheme == "spray":

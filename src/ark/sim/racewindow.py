@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from ark.sim.config import ExperimentConfig, from_dict
@@ -53,13 +54,15 @@ class RacePoint:
         return net
 
 
-def race_config(requests: int = 1000, seeds: int | Sequence[int] = 3, qps: float = RACE_QPS) -> ExperimentConfig:
-    """Four leaves, four spines, 8 GPUs per leaf: prefill on leaves 0-2, decode on leaf 3."""
-    return from_dict({
-        "fabric": {"leaves": 4, "spines": 4, "gpus_per_leaf": 8, "prefill_leaves": [0, 1, 2], "decode_leaves": [3]},
-        "workload": {"requests": requests, "qps": [qps]},
-        "experiment": {"seeds": seeds if isinstance(seeds, int) else list(seeds)},
-    })
+def race_config(requests: int = 1000, seeds: int | Sequence[int] = 3, qps: float = RACE_QPS,
+                base: ExperimentConfig | None = None) -> ExperimentConfig:
+    """Four leaves, four spines, 8 GPUs per leaf: prefill on leaves 0-2, decode on leaf 3
+    (or ``base``'s fabric and settings when given), at one QPS."""
+    d = msgspec.to_builtins(base) if base is not None else {
+        "fabric": {"leaves": 4, "spines": 4, "gpus_per_leaf": 8, "prefill_leaves": [0, 1, 2], "decode_leaves": [3]}}
+    d.setdefault("workload", {}).update({"requests": requests, "qps": [qps]})
+    d.setdefault("experiment", {})["seeds"] = seeds if isinstance(seeds, int) else list(seeds)
+    return from_dict(d)
 
 
 def race_points(delays: Sequence[float] = DELAYS_US, jitters: Sequence[float] = JITTERS_US,
@@ -74,8 +77,6 @@ def race_points(delays: Sequence[float] = DELAYS_US, jitters: Sequence[float] = 
 
 
 def _with_network(cfg: ExperimentConfig, net: dict[str, Any]) -> ExperimentConfig:
-    import msgspec
-
     d = msgspec.to_builtins(cfg)
     d["network"].update(net)
     return from_dict(d)
