@@ -743,18 +743,15 @@ class FluidSim:
             if self.table is not None:
                 self._pending_hosts[src] = None
                 self.schedule(t + self.delay, _DELIVER, (m, None))
-            elif self.control_on_data:
+            elif self.control_on_data or self.jitter:
                 for h in range(n):
                     if h != src:
-                        d = self.control_delay(src, h)
+                        d = self.control_delay(src, h) if self.control_on_data else \
+                            self.delay + float(self.rng.uniform(0, self.jitter))
                         self._ctl_sum += d
                         self._ctl_n += 1
                         self._ctl_max = max(self._ctl_max, d)
                         self.schedule(t + d, _DELIVER, (m, (h,)))
-            elif self.jitter:
-                for h in range(n):
-                    if h != src:
-                        self.schedule(t + (self.delay + float(self.rng.uniform(0, self.jitter))), _DELIVER, (m, (h,)))
             else:
                 self.schedule(t + self.delay, _DELIVER, (m, tuple(h for h in range(n) if h != src)))
 
