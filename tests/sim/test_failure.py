@@ -81,10 +81,23 @@ def test_ark_repaths_its_reservations_when_the_maps_are_rebuilt() -> None:
 def test_every_scheme_sees_the_same_failure_and_reports_its_phases() -> None:
     cfg = from_dict({"workload": {"requests": 300}, "failure": {"leaf": 0, "spine": 1, "at_s": 6.0, "window_s": 1.0}})
     recs = {s: run_one(cfg, RunSpec(s, 20.0, 0)).record for s in ("ecmp", "plb", "letflow", "conga", "hedera",
-                                                                    "ecmp-split", "ark", "ark-split", "spray")}
+                                                                    "ecmp-split", "ark", "ark-split", "oracle-path",
+                                                                    "spray")}
     counts = {(r["flows_before"], r["flows_during"], r["flows_after"]) for r in recs.values()}
     assert len(counts) == 1 and min(next(iter(counts))) > 10
     for s, r in recs.items():
         assert r["fct_after_s"] > r["fct_before_s"], s  # a quarter of leaf 0's uplink capacity is gone
+        assert r["path_mismatches"] == 0 or s.startswith("ark"), s
         if s.startswith("ark"):
             assert r["mismatches_after_rebuild"] == 0
+
+
+@pytest.mark.parametrize("scheme", ["ecmp", "plb", "letflow", "conga", "hedera", "ecmp-split", "ark", "ark-balance",
+                                    "ark-split", "oracle-path"])
+def test_no_flow_crosses_the_dead_spine_after_the_failure(scheme: str) -> None:
+    rng = np.random.default_rng(4)
+    flows = [FlowSpec(i, i % 8, 8 + (i * 5) % 8, int(rng.integers(10**8, 2 * 10**9)), 0.02 * i) for i in range(120)]
+    change = LinkChange(leaf=0, spine=1, at_s=0.5, detect_s=0.0)
+    res = FluidSim(PAPER, scheme, seed=2, change=change, params=None).run(flows)
+    late = [f for f in res.flows if f.finish_s > 0.5]
+    assert late and all(f.path != 1 for f in late), [f.id for f in late if f.path == 1]

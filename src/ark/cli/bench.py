@@ -74,18 +74,15 @@ def bench_compare(jobs: int | None, as_json: bool) -> None:
     measured right after it on the same machine."""
     from ark.sim.bench import compare as bench_cmp
 
-    res = bench_cmp(cfgmod.default(), jobs or jobs_default())
-    if as_json:
-        click.echo(json.dumps(res, indent=1))
-        return
-    out.print(
-        f"ark compare: {res['runs']} runs ({len(res['schemes'])} schemes) x {res['requests_per_run']} requests on "
-        f"{res['jobs']} workers ({res['cpus']} CPUs, load average {res['load_average_before']} before, "
-        f"{res['load_average_after']} after): {res['wall_s']:.1f} s wall (target <= {res['target_wall_s']:g} s), "
-        f"{res['events']} events, {res['events_per_s']:.0f} events/s; ark reproduce's {res['reproduce_runs']} runs "
-        f"right after: {res['reproduce_wall_s']:.1f} s (ratio {res['ratio_to_reproduce']:.2f})"
-    )
-    out.print("events by scheme: " + ", ".join(f"{k} {v}" for k, v in res["events_by_scheme"].items()))
+    r = bench_cmp(cfgmod.default(), jobs or jobs_default())
+    _print_json_or_line(
+        r, as_json,
+        f"ark compare: {r['runs']} runs ({len(r['schemes'])} schemes) x {r['requests_per_run']} requests on "
+        f"{r['jobs']} workers ({r['cpus']} CPUs, load average {r['load_average_before']} before, "
+        f"{r['load_average_after']} after): {r['wall_s']:.1f} s wall (target <= {r['target_wall_s']:g} s), "
+        f"{r['events']} events, {r['events_per_s']:.0f} events/s; ark reproduce's {r['reproduce_runs']} runs "
+        f"right after: {r['reproduce_wall_s']:.1f} s (ratio {r['ratio_to_reproduce']:.2f}); events by scheme: "
+        + ", ".join(f"{k} {v}" for k, v in r["events_by_scheme"].items()))
 
 
 @bench.command("scale")

@@ -166,6 +166,14 @@ def control_plane(rows: Sequence[dict[str, Any]], out: Path) -> Path:
     return out
 
 
+def _save(fig: Any, path: Path, title: str, dpi: int = 130) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _style(scheme: str) -> dict[str, Any]:
     return dict(STYLE.get(scheme, dict(label=scheme)))
 
@@ -191,12 +199,7 @@ def fct_cdf(flows: dict[tuple[str, float, int], tuple[list[int], list[float], li
     for ax in list(axes.flat)[len(qs):]:
         ax.set_visible(False)
     axes[0][0].legend(frameon=False, fontsize=7)
-    fig.suptitle("FCT distribution per scheme (seeds pooled)")
-    fig.tight_layout()
-    path = out / "fct_cdf.png"
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "fct_cdf.png", "FCT distribution per scheme (seeds pooled)")
 
 
 def slowdown(rows: Sequence[dict[str, Any]], out: Path) -> Path | None:
@@ -214,12 +217,7 @@ def slowdown(rows: Sequence[dict[str, Any]], out: Path) -> Path | None:
     ax.set_ylabel("mean slowdown (FCT / ideal)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(frameon=False, fontsize=7, ncol=2)
-    ax.set_title(f"slowdown against flow size at QPS {rows[0]['qps']:g} (seeds pooled)")
-    fig.tight_layout()
-    path = out / "slowdown.png"
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "slowdown.png", f"slowdown against flow size at QPS {rows[0]['qps']:g} (seeds pooled)")
 
 
 def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Path) -> Path:
@@ -238,9 +236,4 @@ def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Pat
         ax.grid(True, which="both", alpha=0.3)
     axes[1].set_yscale("log")
     axes[0].legend(frameon=False, fontsize=8)
-    fig.suptitle("the race window: 24 prefill hosts on three leaves share one decode leaf")
-    fig.tight_layout()
-    path = out / "race_window.png"
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "race_window.png", "the race window: 24 prefill hosts on three leaves share one decode leaf")

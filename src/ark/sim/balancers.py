@@ -542,6 +542,13 @@ class OraclePath(Balancer):
                 ahead[k] += min(left, float(nbytes))
         return min(group, key=lambda k: (ahead[k], k))
 
+    def link_down(self, t: Transfer, crossed: bool) -> bool:
+        if crossed:  # placed again by the same rule, for the bytes it has left
+            left = max(0.0, t.remaining - t.rate * (self.sim.now - t.t_upd)) + t.chunks_left * t.chunk_bytes
+            path = self.first(t.res.src, t.res.dst, int(left))
+            self._move(t, path if path is not None else t.subs[0].path, t.subs[0].port)
+        return True
+
 
 def make_balancer(scheme: str, params: SchemeParams, sim: Fluid) -> Balancer | None:
     """The balancer of a baseline scheme (None for the others)."""

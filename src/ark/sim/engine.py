@@ -687,6 +687,8 @@ class FluidSim:
         res = t.res
         reserved = self._reserved_flows(res.src) if self.cores else {}
         for k, sub in enumerate(t.subs):
+            if sub.port < 0:
+                continue  # a path no port chose (spray, a balancer's own): nothing to re-hash
             sw = self._switch(res.src, res.dst, sub.port)
             if sw != sub.path:
                 self._stale += sub.core_flow is not None and reserved.get(sub.core_flow, False)
