@@ -27,7 +27,7 @@ def one_line_error(p: subprocess.CompletedProcess[str], *needles: str) -> None:
     [
         (["reproduce", "--qps", "1,x"], ["--qps"]),
         (["reproduce", "--qps", "-3"], ["--qps"]),
-        (["reproduce", "--schemes", "ecmp,conga"], ["--schemes", "ark-balance"]),
+        (["reproduce", "--schemes", "ecmp,drill"], ["--schemes", "ark-balance"]),
         (["reproduce", "--seeds", "0"], ["--seeds"]),
         (["reproduce", "--requests", "0"], ["--requests"]),
         (["reproduce", "--bogus"], ["--bogus"]),

@@ -68,7 +68,7 @@ def test_config_file_round_trip(tmp_path) -> None:
         ('[fabric]\nhash = "md5"\n', r"fabric.hash: must be one of murmur3-hpcc"),
         ('[workload]\nqps = "fast"\n', r"workload.qps: must be a number"),
         ("[workload]\nrequests = 1.5\n", r"workload.requests: must be an integer"),
-        ('[experiment]\nschemes = ["ecmp", "conga"]\n', r"experiment.schemes: must be one of"),
+        ('[experiment]\nschemes = ["ecmp", "drill"]\n', r"experiment.schemes: must be one of"),
         ("[experiment]\nseeds = 0\n", r"experiment.seeds"),
         ('[network]\nport_range = "9-1"\n', r"network.port-range"),
         ("[nonsense]\n", r"nonsense: unknown section"),

@@ -75,8 +75,8 @@ def test_simulator_is_deterministic() -> None:
 
 
 def test_bad_scheme() -> None:
-    with pytest.raises(SimError, match="scheme: must be one of ecmp, ark, ark-balance, spray"):
-        FluidSim(preset("paper"), "conga")
+    with pytest.raises(SimError, match="scheme: must be one of ecmp, ark, ark-balance, spray, plb"):
+        FluidSim(preset("paper"), "flowbender")
 
 
 # ---------------------------------------------------------------------------------------

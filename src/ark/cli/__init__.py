@@ -13,7 +13,18 @@ import click
 
 from ark.agent.client import ArkClientError
 from ark.agent.probe import ProbeError
-from ark.cli import agent, bench, experiment, integrations, pathmap, polarisation, sweep, testbed
+from ark.cli import (
+    agent,
+    bench,
+    compare,
+    experiment,
+    integrations,
+    pathmap,
+    polarisation,
+    racewindow,
+    sweep,
+    testbed,
+)
 from ark.cli.common import err
 from ark.core.hashing import HashError
 from ark.core.pathmap import PathMapError
@@ -22,13 +33,14 @@ from ark.core.schema import ConfigError
 from ark.core.topology import TopologyError
 from ark.integrations.preload import PreloadError
 from ark.sim.engine import SimError
+from ark.sim.failure import FailureError
 from ark.sim.sweep import SweepError
 from ark.sim.workload import WorkloadError
 from ark.testbed.fabric import TestbedError
 
 USER_ERRORS = (
     ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError,
-    ArkClientError, TestbedError, ProbeError, PreloadError, SweepError,
+    ArkClientError, TestbedError, ProbeError, PreloadError, SweepError, FailureError,
 )
 
 
@@ -41,7 +53,7 @@ def cli() -> None:
 for command in (
     experiment.reproduce, experiment.simulate, pathmap.pathmap, bench.bench, agent.agent, agent.keygen,
     agent.status, agent.ports, agent.cluster_cmd, agent.probe_cmd, testbed.testbed, integrations.preload,
-    sweep.sweep, polarisation.polarisation,
+    sweep.sweep, polarisation.polarisation, compare.compare, racewindow.race_window,
 ):
     cli.add_command(command)
 

@@ -68,6 +68,25 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
     )
 
 
+@bench.command("compare")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: CPU count).")
+@click.option("--json", "as_json", is_flag=True)
+def bench_compare(jobs: int | None, as_json: bool) -> None:
+    """Wall time of `ark compare` on the default config (no files), against `ark reproduce`
+    measured right after it on the same machine."""
+    from ark.sim.bench import compare as bench_cmp
+
+    r = bench_cmp(cfgmod.default(), jobs or jobs_default())
+    _print_json_or_line(
+        r, as_json,
+        f"ark compare: {r['runs']} runs ({len(r['schemes'])} schemes) x {r['requests_per_run']} requests on "
+        f"{r['jobs']} workers ({r['cpus']} CPUs, load average {r['load_average_before']} before, "
+        f"{r['load_average_after']} after): {r['wall_s']:.1f} s wall (target <= {r['target_wall_s']:g} s), "
+        f"{r['events']} events, {r['events_per_s']:.0f} events/s; ark reproduce's {r['reproduce_runs']} runs "
+        f"right after: {r['reproduce_wall_s']:.1f} s (ratio {r['ratio_to_reproduce']:.2f}); events by scheme: "
+        + ", ".join(f"{k} {v}" for k, v in r["events_by_scheme"].items()))
+
+
 @bench.command("scale")
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(list(SCHEMES)),
               help="Repeat for several (default: ark).")

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import os
 import sys
+import tomllib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import click
+import msgspec
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ark.sim import config as cfgmod
 from ark.sim.config import ConfigError, ExperimentConfig
@@ -53,8 +59,37 @@ def seeds_option(text: str | None) -> tuple[int, ...] | None:
         raise click.BadParameter(msg.removeprefix("--seeds: "), param_hint="--seeds") from None
 
 
-def load_config(path: str | None) -> ExperimentConfig:
-    return cfgmod.load(path) if path else cfgmod.default()
+def load_config(path: str | None, sets: tuple[str, ...] = ()) -> ExperimentConfig:
+    """A config file (or the default) with ``--set TABLE.KEY=VALUE`` applied, each VALUE a
+    TOML value (``--set serving.kv_transfer='"per-layer"'`` or, for a bare word,
+    ``--set serving.kv_transfer=per-layer``), checked like a file."""
+    return apply_sets(cfgmod.load(path) if path else cfgmod.default(), sets)
+
+
+def apply_sets(cfg: ExperimentConfig, sets: tuple[str, ...]) -> ExperimentConfig:
+    """``cfg`` with each ``TABLE.KEY=VALUE`` of ``--set`` applied (see :func:`load_config`)."""
+    if not sets:
+        return cfg
+    d = msgspec.to_builtins(cfg)
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise click.BadParameter(f"expected TABLE.KEY=VALUE, got {item!r}", param_hint="--set")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare word: a string
+        node = d
+        for p in parts[:-1]:
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise click.BadParameter(f"{key}: {p} is not a table", param_hint="--set")
+            node = child
+        node[parts[-1]] = value
+    return cfgmod.from_dict(d)
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,3 +99,18 @@ def jobs_default() -> int:
     return max(1, min(os.cpu_count() or 1, 8))
 
 
+
+
+@contextmanager
+def run_progress(total: int, disable: bool = False) -> Iterator[Callable[[Any], None]]:
+    """A progress bar on stderr over ``total`` simulator runs; yields the per-run tick."""
+    with Progress(
+        TextColumn("[bold]simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), console=err, transient=True, disable=disable,
+    ) as prog:
+        task = prog.add_task("", total=total)
+
+        def tick(sp: Any) -> None:
+            prog.update(task, advance=1, description=f"{sp.scheme} qps={sp.qps:g} seed={sp.seed}")
+
+        yield tick

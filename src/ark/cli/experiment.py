@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ark.cli.common import err, jobs_default, load_config, out, qps_list, schemes_option, seeds_option
+from ark.cli.common import (
+    jobs_default,
+    load_config,
+    out,
+    qps_list,
+    run_progress,
+    schemes_option,
+    seeds_option,
+)
 from ark.sim.config import ExperimentConfig
 from ark.sim.engine import SCHEMES
 
@@ -46,16 +53,7 @@ def _summary_table(rows: Sequence[dict[str, Any]]) -> Table:
 def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool) -> None:
     from ark.sim.experiment import plan, run_sweep, summarize, write_results
 
-    n = len(plan(cfg))
-    with Progress(
-        TextColumn("[bold]simulating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.description}"), console=err, transient=True, disable=as_json,
-    ) as prog:
-        task = prog.add_task("", total=n)
-
-        def tick(sp: Any) -> None:
-            prog.update(task, advance=1, description=f"{sp.scheme} qps={sp.qps:g} seed={sp.seed}")
-
+    with run_progress(len(plan(cfg)), disable=as_json) as tick:
         sweep = run_sweep(cfg, jobs=jobs, progress=tick)
     files = write_results(out_dir, sweep, cfg)
     summary = summarize(sweep.records)

@@ -17,6 +17,13 @@ STYLE = {
     "ark": dict(color="#1f77b4", marker="s", label="ARK"),
     "ark-balance": dict(color="#2ca02c", marker="^", label="ARK-balance"),
     "spray": dict(color="#7f7f7f", marker="x", linestyle="--", label="ideal spray"),
+    "ark-split": dict(color="#17becf", marker="D", label="ARK-split"),
+    "ecmp-split": dict(color="#ff7f0e", marker="v", linestyle=":", label="ECMP-split"),
+    "plb": dict(color="#9467bd", marker="P", linestyle="-.", label="PLB"),
+    "letflow": dict(color="#8c564b", marker="*", linestyle="-.", label="LetFlow"),
+    "conga": dict(color="#e377c2", marker="h", linestyle="-.", label="CONGA"),
+    "hedera": dict(color="#bcbd22", marker="X", linestyle="-.", label="Hedera"),
+    "oracle-path": dict(color="#000000", marker=".", linestyle=":", label="single-path oracle"),
 }
 
 
@@ -60,6 +67,15 @@ def fct_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
         [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p95_s", "P95 KV-transfer FCT (s)")],
         out / "fct_vs_qps.png",
         "KV-cache flow completion time (mean over seeds; bars: min-max)",
+    )
+
+
+def compare_fct(records: Sequence[dict[str, Any]], out: Path) -> Path:
+    return _metric_figure(
+        records,
+        [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p99_s", "P99 KV-transfer FCT (s)")],
+        out / "compare_fct.png",
+        "every scheme on the same workloads (mean over seeds; bars: min-max)",
     )
 
 
@@ -148,3 +164,76 @@ def control_plane(rows: Sequence[dict[str, Any]], out: Path) -> Path:
     fig.savefig(out, dpi=150)
     plt.close(fig)
     return out
+
+
+def _save(fig: Any, path: Path, title: str, dpi: int = 130) -> Path:
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def _style(scheme: str) -> dict[str, Any]:
+    return dict(STYLE.get(scheme, dict(label=scheme)))
+
+
+def fct_cdf(flows: dict[tuple[str, float, int], tuple[list[int], list[float], list[float]]], out: Path) -> Path:
+    """FCT CDF per scheme, one panel per QPS, seeds pooled."""
+    qs = sorted({k[1] for k in flows})
+    schemes = list(dict.fromkeys(k[0] for k in flows))
+    cols = min(4, len(qs))
+    rows = -(-len(qs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
+    for ax, q in zip(axes.flat, qs, strict=False):
+        for s in schemes:
+            f = np.sort(np.concatenate([np.asarray(v[2]) for k, v in flows.items() if k[0] == s and k[1] == q]))
+            st = _style(s)
+            st.pop("marker", None)
+            ax.plot(f, np.arange(1, len(f) + 1) / len(f), linewidth=1.3, **st)
+        ax.set_xscale("log")
+        ax.set_title(f"QPS {q:g}", fontsize=10)
+        ax.set_xlabel("KV-transfer FCT (s)")
+        ax.set_ylabel("fraction of flows")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in list(axes.flat)[len(qs):]:
+        ax.set_visible(False)
+    axes[0][0].legend(frameon=False, fontsize=7)
+    return _save(fig, out / "fct_cdf.png", "FCT distribution per scheme (seeds pooled)")
+
+
+def slowdown(rows: Sequence[dict[str, Any]], out: Path) -> Path | None:
+    """Mean slowdown (FCT over size / NIC goodput) against flow size, per scheme."""
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for s in dict.fromkeys(r["scheme"] for r in rows):
+        rs = [r for r in rows if r["scheme"] == s]
+        x = [float(np.sqrt(r["size_lo"] * r["size_hi"])) / 1e9 for r in rs]
+        ax.plot(x, [r["slowdown"] for r in rs], linewidth=1.5, markersize=5, **_style(s))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV-flow size (GB)")
+    ax.set_ylabel("mean slowdown (FCT / ideal)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(frameon=False, fontsize=7, ncol=2)
+    return _save(fig, out / "slowdown.png", f"slowdown against flow size at QPS {rows[0]['qps']:g} (seeds pooled)")
+
+
+def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Path) -> Path:
+    """ARK's gain over ECMP and races per 1,000 flows against the one-way control delay."""
+    fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
+    for s in schemes:
+        rs = sorted((r for r in rows if r["scheme"] == s and r["sweep"] == "delay"), key=lambda r: r["delay_us"])
+        st = _style(s)
+        axes[0].plot([r["delay_us"] for r in rs], [100 * r["gain_vs_ecmp"] for r in rs], **st)
+        axes[1].plot([r["delay_us"] for r in rs], [max(r["races_per_1000"], 0.1) for r in rs], **st)
+    axes[0].axhline(0.0, color="#7f7f7f", linewidth=0.8)
+    for ax, label in ((axes[0], "mean-FCT gain over ECMP (%)"), (axes[1], "races per 1,000 flows (0 drawn at 0.1)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("one-way control-plane delay (us)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(frameon=False, fontsize=8)
+    return _save(fig, out / "race_window.png", "the race window: 24 prefill hosts on three leaves share one decode leaf")

@@ -17,7 +17,8 @@ that were not yet released (release ts > ``R.ts``):
 1. requested path free (no holder on any of its links): R holds it alone;
 2. otherwise R lost a race: it is re-pathed to the lowest-index free path;
 3. otherwise no path is free: under ``ark`` R holds nothing (its flow stays on the path
-   its port hashes to, as plain ECMP); under ``ark-balance`` R shares its requested path.
+   its port hashes to, as plain ECMP); under ``ark-balance`` and ``ark-split`` R shares
+   its requested path.
 
 ``shared`` reservations (``ark-balance`` overflow) always share their requested path.
 
@@ -45,6 +46,15 @@ Requests (owner side)
   That flow is recorded as a shared reservation so later decisions see its bytes. A
   link's backlog is its live reservations fed into a work-conserving queue drained at
   the path rate (see :func:`ark.core.table.backlog`).
+* ``ark-split`` (:meth:`ArkCore.request_split`): one transfer of known size as ``parts``
+  sub-flows of equal reserved size on distinct paths, for an engine that sends one
+  transfer over several connections (QPs) and hands each its next slice when it has
+  room. Each part is an ordinary reservation chosen as ``ark-balance`` would, except
+  that the parts of one transfer avoid each other's paths while others are left: the
+  lowest free path, else the one whose busiest link has the least reserved backlog
+  (marked shared). Receivers apply the parts like any reservation, so the wire format
+  and every replica's rules are unchanged. A plain :meth:`ArkCore.request` under
+  ``ark-split`` is one part (``ark-balance``).
 
 The table itself (messages, holders, recomputation) is :class:`ark.core.table.ReservationTable`;
 :class:`ArkCore` adds what belongs to one host: its flows, source ports and decisions.
@@ -233,6 +243,34 @@ class ArkCore:
         re-pathed flow then needs no new connection). ``reserve=False``: a random port,
         nothing reserved (plain ECMP; a host whose clock cannot be trusted does this).
         """
+        return self._request(dst, nbytes, now, dport, prefer_port, reserve, 0)
+
+    def request_split(self, dst: int, nbytes: int, now: float, parts: int, dport: int = 4791) -> tuple[Decision, ...]:
+        """``ark-split``: reserve one transfer of ``nbytes`` as ``parts`` sub-flows.
+
+        Each part is its own flow (own id, port and reservation, released on its own) of
+        ``nbytes / parts`` reserved bytes, chosen like an ``ark-balance`` request but away
+        from the paths the earlier parts took, as long as other usable paths remain.
+        """
+        if self.policy != "ark-split":
+            raise CoreError(f"request_split: needs policy ark-split; this core runs {self.policy}")
+        if not 1 <= parts <= 64:
+            raise CoreError(f"parts: must be 1..64; got {parts}")
+        if nbytes < 0:
+            raise CoreError(f"nbytes: must be >= 0; got {nbytes}")
+        q, r = divmod(int(nbytes), parts)
+        out: list[Decision] = []
+        avoid = 0
+        for i in range(parts):
+            dec = self._request(dst, q + (i < r), now, dport, None, True, avoid)
+            out.append(dec)
+            avoid |= 1 << dec.path
+        return tuple(out)
+
+    def _request(
+        self, dst: int, nbytes: int, now: float, dport: int, prefer_port: int | None, reserve: bool, avoid: int
+    ) -> Decision:
+        """:meth:`request`, away from the paths in the bit mask ``avoid`` while others are usable."""
         if not 0 <= dst < self._n_hosts or dst == self.host:
             raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
         if nbytes < 0:
@@ -253,11 +291,12 @@ class ArkCore:
             return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
         if self._table.owner_count(self.host) >= self.limits.max_flows_per_host:
             raise CoreError(f"flows: this host holds {self.limits.max_flows_per_host} reservations (the limit)")
+        usable = buckets.usable_mask & ~avoid or buckets.usable_mask
         if prefer_port is None and not self._pending:  # the usual request: the stage masks answer
             sids = self._sids.get(dst) or self._stage_ids(dst)
-            path, pinned = self._table.lowest_free(sids, n, buckets.usable_mask), None
+            path, pinned = self._table.lowest_free(sids, n, usable), None
         else:
-            path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now))
+            path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
         shared = False
         if path is None:
             self.counters.fallbacks += 1
@@ -266,17 +305,17 @@ class ArkCore:
                 return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
             self.counters.shared += 1
             # A path no known source port reaches (a probed map after a link failure) is not usable.
-            path, shared = self._balance_choice(stages, n, now, buckets.usable_mask), True
+            path, shared = self._balance_choice(stages, n, now, usable), True
         if pinned is not None:
             buckets.claim(pinned)
         port = pinned if pinned is not None else buckets.take(path)
         return self._reserve(flow, dst, dport, path, port, int(nbytes), float(now), shared)
 
     def _free_path(
-        self, dst: int, n: int, buckets: PortBuckets, prefer_port: int | None, now: float
+        self, dst: int, n: int, buckets: PortBuckets, prefer_port: int | None, now: float, usable: int
     ) -> tuple[int | None, int | None]:
-        """(lowest free usable path, the preferred port when its own path is free)."""
-        free_path = self._lowest_free(dst, n, buckets.usable_mask, now)
+        """(lowest free path of ``usable``, the preferred port when its own path is free)."""
+        free_path = self._lowest_free(dst, n, usable, now)
         if prefer_port is not None and free_path is not None and prefer_port not in buckets.in_use:
             lo, hi = buckets.map.port_range
             pp = buckets.map.path_of(prefer_port) if lo <= prefer_port <= hi else -1

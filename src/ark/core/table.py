@@ -21,7 +21,9 @@ from typing import Any, Protocol
 
 from ark.core.messages import FlowId, Key, Message, Release, Renew, Reserve
 
-POLICIES = ("ark", "ark-balance")
+POLICIES = ("ark", "ark-balance", "ark-split")
+# Policies under which a reservation that finds no free path shares its requested one.
+SHARING_POLICIES = ("ark-balance", "ark-split")
 INF = float("inf")
 _NO_END_BUCKET = 2**62
 _BUCKETS_PER_S = 10
@@ -568,24 +570,24 @@ class ReservationTable:
         """
         self.settle()
         expired: list[FlowId] = []
-        upto = now - self.expiry_grace_s
-        if upto > self._expired_upto:
-            self._expired_upto = upto
-            heap = self._end_heap
-            while heap and heap[0][0] <= upto:
-                end, flow = heapq.heappop(heap)
-                e = self._entries.get(flow)
-                if e is None or e.end != end:
-                    continue
-                self._live.discard(flow)
-                if not e.held:
-                    continue
-                self._unhold(flow, self.links(e.msg, e.path))  # type: ignore[arg-type]
-                if e.released is None:
-                    self.counters.expired += 1
-                    expired.append(flow)
-            while self._expiry_heap and self._expiry_heap[0][0] <= upto:
-                heapq.heappop(self._expiry_heap)  # handled above through the end heap
+        # An end may arrive at or before the point already passed (a RELEASE delayed by more
+        # than the grace): it is due at once, or its deadline would never move on.
+        self._expired_upto = upto = max(self._expired_upto, now - self.expiry_grace_s)
+        heap = self._end_heap
+        while heap and heap[0][0] <= upto:
+            end, flow = heapq.heappop(heap)
+            e = self._entries.get(flow)
+            if e is None or e.end != end:
+                continue
+            self._live.discard(flow)
+            if not e.held:
+                continue
+            self._unhold(flow, self.links(e.msg, e.path))  # type: ignore[arg-type]
+            if e.released is None:
+                self.counters.expired += 1
+                expired.append(flow)
+        while self._expiry_heap and self._expiry_heap[0][0] <= upto:
+            heapq.heappop(self._expiry_heap)  # handled above through the end heap
         horizon = now - self.retention_s
         if horizon > self._horizon:
             self._horizon = horizon
@@ -832,7 +834,7 @@ class ReservationTable:
         for k in range(len(stages[0])):
             if not any(held(st[k]) for st in stages):
                 return k, False
-        if self.policy == "ark-balance":
+        if self.policy in SHARING_POLICIES:
             return msg.path, True
         return None, False
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
+from functools import cached_property
 
 HASH_SELECTIONS = ("modulo", "threshold")
 ROLES = ("prefill", "decode", "none")
@@ -58,8 +59,8 @@ class Host:
     role: str
     node_id: int
 
-    @property
-    def ip_int(self) -> int:
+    @cached_property
+    def ip_int(self) -> int:  # parsed once: the simulated switches hash it per packet decision
         return int(ipaddress.IPv4Address(self.ip))
 
 

@@ -194,3 +194,40 @@ def reproduce(cfg: ExperimentConfig, jobs: int) -> dict[str, Any]:
         "events": events,
         "events_per_s": events / wall if wall > 0 else 0.0,
     }
+
+
+def compare(cfg: ExperimentConfig, jobs: int) -> dict[str, Any]:
+    """Wall time of the ``ark compare`` sweep, next to the ``ark reproduce`` sweep of the same
+    experiment measured just after it (the machine's speed at the moment)."""
+    from ark.sim.compare import compare_config, run_compare
+    from ark.sim.experiment import plan, run_sweep
+
+    load_before = os.getloadavg()[0]
+    ccfg = compare_config(cfg)
+    t = time.perf_counter()
+    comp = run_compare(ccfg, jobs=jobs)
+    wall = time.perf_counter() - t
+    t = time.perf_counter()
+    run_sweep(cfg, jobs=jobs)
+    base = time.perf_counter() - t
+    events = sum(r["events"] for r in comp.records)
+    per_scheme: dict[str, int] = {}
+    for r in comp.records:
+        per_scheme[r["scheme"]] = per_scheme.get(r["scheme"], 0) + r["events"]
+    return {
+        "runs": len(plan(ccfg)),
+        "schemes": list(ccfg.schemes),
+        "requests_per_run": cfg.workload.requests,
+        "jobs": jobs,
+        "cpus": os.cpu_count(),
+        "load_average_before": round(load_before, 2),
+        "load_average_after": round(os.getloadavg()[0], 2),
+        "wall_s": wall,
+        "events": events,
+        "events_per_s": events / wall if wall > 0 else 0.0,
+        "events_by_scheme": per_scheme,
+        "reproduce_runs": len(plan(cfg)),
+        "reproduce_wall_s": base,
+        "ratio_to_reproduce": wall / base if base > 0 else 0.0,
+        "target_wall_s": 60.0,
+    }

@@ -30,7 +30,9 @@ import msgspec
 from ark.core.fabric_config import FabricConfig
 from ark.core.pathmap import ROCE_PORT_RANGE, PathMapError, check_port_range, parse_port_range
 from ark.core.schema import ConfigError, Count, NonNegative, Port, Positive, convert, one_of
-from ark.sim.engine import SCHEMES
+from ark.sim.balancers import SchemeParams
+from ark.sim.engine import REPRODUCED, SCHEMES
+from ark.sim.failure import FailureError, LinkChange
 from ark.sim.serving import GPUS, AffineLatency, Serving, latency_model
 from ark.sim.workload import MODELS, WorkloadError, model_spec
 
@@ -74,9 +76,17 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     prefill_base_ms: NonNegative | None = None
     prefill_per_token_ms: NonNegative | None = None
     decode_step_ms: NonNegative | None = None
+    # How the engine sends a KV cache: one gapless transfer, or one chunk per model layer
+    # with layer_gap_us of idle time between chunks (then flowlets exist).
+    kv_transfer: Literal["whole", "per-layer"] = "whole"
+    layer_gap_us: NonNegative = 200.0
 
     def __post_init__(self) -> None:
         one_of("gpu", self.gpu, GPUS)
+
+    def chunks(self, model: str) -> int:
+        """Chunks per KV transfer: 1, or the model's layer count."""
+        return model_spec(model).layers if self.kv_transfer == "per-layer" else 1
 
     def build(self, model: str) -> Serving:
         lat = latency_model(model_spec(model), self.gpu, self.tp)
@@ -93,6 +103,11 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     control_jitter_us: NonNegative = 0.0
     dport: Port = 4791
     port_range: str | tuple[int, int] = ROCE_PORT_RANGE  # "LO-HI" in a file
+    clock_skew_us: NonNegative = 0.0  # each host's clock is off by a uniform draw in [0, this)
+    # "data-fabric": control messages cross the data fabric and wait behind its standing
+    # queues (data_queue_kb at every switch egress that data keeps saturated).
+    control_path: Literal["separate", "data-fabric"] = "separate"
+    data_queue_kb: NonNegative = 100.0
 
     def __post_init__(self) -> None:
         try:
@@ -112,7 +127,7 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 class RunsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[experiment]`` table: which schemes and seeds a sweep runs."""
 
-    schemes: tuple[str, ...] = SCHEMES
+    schemes: tuple[str, ...] = REPRODUCED
     seeds: int | tuple[int, ...] = 3  # a count N (seeds 0..N-1) or a list
 
     def __post_init__(self) -> None:
@@ -135,6 +150,15 @@ class ExperimentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     serving: ServingConfig = msgspec.field(default_factory=ServingConfig)
     network: NetworkConfig = msgspec.field(default_factory=NetworkConfig)
     experiment: RunsConfig = msgspec.field(default_factory=RunsConfig)
+    params: SchemeParams = msgspec.field(default_factory=SchemeParams)  # [params.plb], [params.split], ...
+    failure: LinkChange | None = None
+
+    def __post_init__(self) -> None:
+        if self.failure is not None:
+            try:
+                self.failure.check(self.fabric.build())
+            except FailureError as e:
+                raise ValueError(str(e)) from None
 
     @property
     def schemes(self) -> tuple[str, ...]:
@@ -151,6 +175,7 @@ class ExperimentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         requests: int | None = None,
         seeds: tuple[int, ...] | None = None,
         schemes: tuple[str, ...] | None = None,
+        failure: dict[str, Any] | None = None,
     ) -> ExperimentConfig:
         """The same experiment with command-line overrides, checked like a file."""
         d: dict[str, Any] = msgspec.to_builtins(self)
@@ -158,6 +183,8 @@ class ExperimentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
                                   ("experiment", "seeds", seeds), ("experiment", "schemes", schemes)):
             if value is not None:
                 d[table][key] = list(value) if isinstance(value, tuple) else value
+        if failure is not None:
+            d["failure"] = {**(d.get("failure") or {}), **failure}
         return from_dict(d)
 
 

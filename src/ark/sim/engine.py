@@ -4,31 +4,41 @@ Flows share bandwidth max-min fairly over every directed link they cross (source
 the fabric links of their path, destination NIC); rates are recomputed at each arrival,
 completion and re-path. Link capacity is line rate x transport efficiency (payload
 goodput, see ``ark.core.topology.TRANSPORTS``). Events sit on a heap keyed ``(time, seq)``;
-one seeded generator per run owns every random draw, so a seed fixes the run.
+seeded generators owned by the run make every random draw, so a seed fixes the run.
 
 :class:`FluidSim` is a small event loop: :meth:`~FluidSim.schedule` puts an event on the
 heap, :meth:`~FluidSim.step` advances to the next event or flow completion and handles
-it, :meth:`~FluidSim.run` steps until every flow has finished.
+it, :meth:`~FluidSim.run` steps until every flow has finished. Each flow in flight is an
+:class:`ark.sim.transfer.Transfer` of one or more sub-flows, sent whole or in chunks.
 
 Schemes:
 
 * ``ecmp``: every flow gets a random source port from the port range; the simulated
   switches hash its exact key bytes, each at its own ECMP decision (leaf; in a 3-tier
   Clos also the aggregation switch), with its own model, seed and selection.
-* ``ark`` / ``ark-balance``: one :class:`ark.core.protocol.ArkCore` per host; messages reach
-  peers after the control-plane one-way delay, so races happen as they would. Without
-  jitter every host receives a message at the same instant, so the cores share one
-  reservation table that receives each message once (a host's own messages in flight
-  stay with its core until then): the same decisions and re-paths as one replica per
-  host, at a cost per message that does not grow with the number of hosts. With jitter,
-  each host keeps its own replica. The
-  switches still hash the chosen port; any disagreement with the reserved path is
-  counted in ``path_mismatches``. The cores' timers fire at their own deadlines
-  (:meth:`ArkCore.next_deadline`), never by polling.
+* ``ark`` / ``ark-balance`` / ``ark-split``: one :class:`ark.core.protocol.ArkCore` per
+  host; messages reach peers after the control-plane one-way delay, so races happen as
+  they would. Without jitter, skew or in-band control every host receives a message at
+  the same instant, so the cores share one reservation table that receives each message
+  once (a host's own messages in flight stay with its core until then): the same
+  decisions and re-paths as one replica per host, at a cost per message that does not
+  grow with the number of hosts. Otherwise each host keeps its own replica and its own
+  clock. Under ``ark-split`` a transfer is several reserved sub-flows on distinct paths
+  (:meth:`ArkCore.request_split`). The switches still hash the chosen port; any
+  disagreement with the reserved path is counted in ``path_mismatches``. The cores'
+  timers fire at their own deadlines (:meth:`ArkCore.next_deadline`), never by polling.
+* ``ecmp-split``: the same sub-flows on random source ports (what an engine with several
+  connections gets without ARK).
+* ``plb``, ``letflow``, ``conga``, ``hedera``: the baselines of :mod:`ark.sim.balancers`.
+* ``oracle-path``: one path per flow, chosen by a controller that knows every flow's bytes
+  left (:class:`ark.sim.balancers.OraclePath`): the bound of single-path placement.
 * ``spray``: ideal per-packet spraying: at every hop stage a flow uses the aggregate of
   all the links its equal-cost paths could take there (2-tier: all uplinks of its source
   leaf, all downlinks of its destination leaf; 3-tier: also all aggregation-core links of
   the two pods). The bound.
+
+A leaf-spine link may fail or degrade during the run (:mod:`ark.sim.failure`): every
+scheme sees the same event.
 
 Rates are kept by :class:`ark.sim.maxmin.FairShares`, which after each arrival,
 completion or re-path recomputes only the flows whose rate can change; a flow's bytes
@@ -40,7 +50,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,17 +59,28 @@ import numpy as np
 from ark.core.flows import FlowSpec
 from ark.core.messages import FlowId, Message, Release
 from ark.core.pathmap import ROCE_PORT_RANGE, PathMap, PathMapCache, switch_path
-from ark.core.protocol import ArkCore, Repath
+from ark.core.protocol import ArkCore, Decision, Repath
 from ark.core.table import ReservationTable
 from ark.core.topology import Fabric
+from ark.sim.balancers import Balancer, SchemeParams, make_balancer
+from ark.sim.failure import FailedRoutes, LinkChange, RebuiltMaps
 from ark.sim.maxmin import FairShares, maxmin_rates
+from ark.sim.transfer import SubFlow, Transfer, sub_id, top_switches
 
-__all__ = ["SCHEMES", "FlowResult", "FlowSpec", "FluidSim", "SimError", "SimResult", "maxmin_rates"]
+__all__ = [
+    "ARK_SCHEMES", "REPRODUCED", "SCHEMES", "FlowResult", "FlowSpec", "FluidSim", "SimError", "SimResult",
+    "maxmin_rates",
+]
 
-SCHEMES = ("ecmp", "ark", "ark-balance", "spray")
+SCHEMES = ("ecmp", "ark", "ark-balance", "spray", "plb", "letflow", "conga", "hedera", "ark-split", "ecmp-split",
+           "oracle-path")
+REPRODUCED = ("ecmp", "ark", "ark-balance", "spray")  # what an experiment runs unless told otherwise
+ARK_SCHEMES = ("ark", "ark-balance", "ark-split")
+SPLIT_SCHEMES = ("ark-split", "ecmp-split")
 
-_START, _DELIVER, _TIMER = 0, 1, 2
+_START, _DELIVER, _TIMER, _RESUME, _LB, _CHANGE, _REBUILD = range(7)
 MAP_CACHE = 1024  # path maps kept per simulation process (about 160 kB each)
+CONTROL_PORTS = (49152, 7100)  # source and destination port of the in-band control connection
 
 
 def _arrival_order(msg: Message) -> tuple[float, int, int, int]:
@@ -103,20 +124,15 @@ class SimResult:
     # Messages each host sent (RESERVE, RELEASE, RENEW): what its peers receive under full
     # broadcast, or the peers of its scope (see ark.sim.control_plane).
     messages_by_host: list[int] = field(default_factory=list)
-
-
-class _Active:
-    __slots__ = ("core_flow", "links", "rate", "remaining", "res", "spines", "t_upd", "version")
-
-    def __init__(self, res: FlowResult, links: tuple[int, ...], spines: tuple[int, ...]) -> None:
-        self.res = res
-        self.links = links
-        self.remaining = float(res.nbytes)  # bytes left at ``t_upd``
-        self.t_upd = res.start_s
-        self.rate = 0.0
-        self.version = 0  # bumps at every rate change: older completion entries are stale
-        self.core_flow: FlowId | None = None
-        self.spines = spines
+    race_moved: int = 0  # flows whose path a lost race changed
+    moves: int = 0  # path changes a baseline balancer made
+    rehashes: int = 0  # PLB re-hashes
+    stale: int = 0  # ARK sub-flows a link failure moved off their reserved path before the maps were rebuilt
+    rebuild_repathed: int = 0  # reservations re-made when the maps were rebuilt
+    mismatches_after_rebuild: int = 0
+    # One-way delays the control messages met (in-band control: with the data's queues).
+    control_delay_mean_s: float = 0.0
+    control_delay_max_s: float = 0.0
 
 
 class FluidSim:
@@ -136,25 +152,58 @@ class FluidSim:
         record_timeline: bool = False,
         retention_s: float = 5.0,
         shared_table: bool | None = None,
+        params: SchemeParams | None = None,
+        chunks: int = 1,
+        chunk_gap_s: float = 0.0,
+        change: LinkChange | None = None,
+        clock_skew_s: float = 0.0,
+        control_on_data: bool = False,
+        data_queue_bytes: float = 100e3,
     ) -> None:
         if scheme not in SCHEMES:
             raise SimError(f"scheme: must be one of {', '.join(SCHEMES)}; got {scheme!r}")
         if control_delay_s < 0 or control_jitter_s < 0:
             raise SimError("control_delay_us: must be >= 0")
+        if chunks < 1 or chunk_gap_s < 0 or clock_skew_s < 0 or data_queue_bytes < 0:
+            raise SimError("chunks: must be >= 1 (and chunk_gap_s, clock_skew_s, data_queue_bytes >= 0)")
         self.fabric, self.scheme = fabric, scheme
         self.delay, self.jitter = control_delay_s, control_jitter_s
         self.dport, self.port_range = dport, port_range
         self.rng = np.random.default_rng(seed)
+        self.lb_rng = np.random.default_rng([seed, 1])  # the baselines' own draws
         self.record_timeline = record_timeline
-        self.pathmaps = pathmaps or PathMapCache(fabric, port_range, capacity=MAP_CACHE)
+        self.params = params or SchemeParams()
+        self.chunks, self.chunk_gap = chunks, chunk_gap_s
+        self.change = change
+        self.control_on_data, self.data_queue = control_on_data, data_queue_bytes
+        self._off = np.random.default_rng([seed, 2]).uniform(0, clock_skew_s, fabric.n_hosts).tolist() \
+            if clock_skew_s > 0 else None
+        base = pathmaps or PathMapCache(fabric, port_range, capacity=MAP_CACHE)
+        if change is not None:
+            change.check(fabric)
+        self.maps: RebuiltMaps | None = None
+        if change is not None and change.down and scheme in ARK_SCHEMES:
+            self.maps = RebuiltMaps(base, FailedRoutes(fabric, change), port_range)
+        self.pathmaps = self.maps or base
+        self._make_cores(retention_s, shared_table)
+        self._handlers: dict[int, Callable[[Any], None]] = {
+            _START: self._on_start, _DELIVER: self._on_deliver, _TIMER: self._on_timer, _RESUME: self._on_resume,
+            _LB: self._on_balancer, _CHANGE: self._on_change, _REBUILD: self._on_rebuild,
+        }
+
+    def _make_cores(self, retention_s: float, shared_table: bool | None) -> None:
+        fabric, scheme = self.fabric, self.scheme
         self.cores: list[ArkCore] = []
         # Every host receives every message after the same delay: one table for all (see
-        # ark.core.protocol, "Sharing one table"), unless jitter makes the replicas differ.
-        self.shared_table = control_jitter_s == 0 if shared_table is None else shared_table
-        if self.shared_table and control_jitter_s:
-            raise SimError("shared_table: needs control_jitter_us = 0 (with jitter every host holds its own replica)")
+        # ark.core.protocol, "Sharing one table"), unless jitter, skewed clocks or in-band
+        # control make the replicas differ.
+        same = self.jitter == 0 and self._off is None and not self.control_on_data
+        self.shared_table = same if shared_table is None else shared_table
+        if self.shared_table and not same:
+            raise SimError("shared_table: needs control_jitter_us = 0, no clock skew and a separate control network "
+                           "(otherwise every host holds its own replica)")
         self.table: ReservationTable | None = None
-        if scheme in ("ark", "ark-balance"):
+        if scheme in ARK_SCHEMES:
             child = self.rng.integers(0, 2**63 - 1, fabric.n_hosts)
             if self.shared_table:
                 self.table = ReservationTable(fabric, policy=scheme, retention_s=retention_s)
@@ -165,9 +214,6 @@ class FluidSim:
                         table=self.table, max_idle_peers=0)
                 for h in range(fabric.n_hosts)
             ]
-        self._handlers: dict[int, Callable[[Any], None]] = {
-            _START: self._on_start, _DELIVER: self._on_deliver, _TIMER: self._on_timer,
-        }
 
     def _capacities(self) -> list[float]:
         """Payload bytes/s per link."""
@@ -182,15 +228,63 @@ class FluidSim:
             b = self._bundles[key] = self._shares.add_link(sum(self._shares.capacity[lk] for lk in key))
         return b
 
+    # ------------------------------------------------------------------ the view balancers get
+    @property
+    def now(self) -> float:
+        return self._now
+
+    @property
+    def shares(self) -> FairShares:
+        return self._shares
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def group(self, src: int, dst: int) -> tuple[int, ...]:
+        """The paths the source's ECMP group holds towards ``dst`` now."""
+        if self._routes is not None:
+            return self._routes.group(src, dst)
+        return tuple(range(self.fabric.n_paths(src, dst)))
+
+    def hashed(self, src: int, dst: int, port: int) -> int:
+        return self._switch(src, dst, port)
+
+    def random_port(self, rng: np.random.Generator) -> int:
+        lo, hi = self.port_range
+        return int(rng.integers(lo, hi + 1))
+
+    def move(self, t: Transfer, path: int, port: int) -> None:
+        if path == t.subs[0].path:  # a new port onto the same path: its rates stay
+            t.subs[0].port = t.res.port = port
+            return
+        self._move_sub(t, 0, path, port)
+        self._spines_changed()
+
+    def at(self, t: float, data: object) -> None:
+        self.schedule(t, _LB, data)
+
+    def transfers(self) -> Iterable[Transfer]:
+        """Transfers sending now (not idle between two chunks)."""
+        return self._active.values()
+
+    def sending(self, flow: int) -> Transfer | None:
+        return self._active.get(flow)
+
     # ------------------------------------------------------------------ the loop
     def run(self, flows: Sequence[FlowSpec]) -> SimResult:
         self._reset(flows)
         while self._pending or self._heap:
             self.step()
+        lb = self.balancer
         return SimResult(
             self.scheme, [self._results[f.id] for f in flows], sum(c.counters.races_lost for c in self.cores),
             self._fallbacks, self._mismatches, self._spine_max, self._events, self._timeline, self._messages,
-            list(self._sent_by_host),
+            list(self._sent_by_host), race_moved=len(self._race_moved), moves=lb.moves if lb else 0,
+            rehashes=getattr(lb, "rehashes", 0), stale=self._stale, rebuild_repathed=self._rebuild_repathed,
+            mismatches_after_rebuild=self._after_rebuild,
+            control_delay_mean_s=self._ctl_sum / self._ctl_n if self._ctl_n else self.delay,
+            control_delay_max_s=self._ctl_max if self._ctl_n else self.delay,
         )
 
     def _reset(self, flows: Sequence[FlowSpec]) -> None:
@@ -200,10 +294,15 @@ class FluidSim:
             if f.nbytes < 0 or not math.isfinite(f.start_s):
                 raise SimError(f"flow {f.id}: needs nbytes >= 0 and a finite start")
             self.schedule(f.start_s, _START, f)
+        if self.change is not None:
+            self.schedule(self.change.at_s, _CHANGE, None)
         self._results = {f.id: FlowResult(f.id, f.src, f.dst, f.nbytes, f.start_s) for f in flows}
-        self._active: dict[int, _Active] = {}
-        self._by_core_flow: dict[FlowId, _Active] = {}
+        self._active: dict[int, Transfer] = {}
+        self._paused: dict[int, Transfer] = {}  # idle between two chunks
+        self._owner: dict[int, tuple[Transfer, int]] = {}  # sub-flow id -> (transfer, index), split schemes
+        self._by_core_flow: dict[FlowId, tuple[Transfer, int]] = {}
         self._shares = FairShares(self._capacities())
+        self._base_capacity = list(self._shares.capacity)
         self._bundles: dict[frozenset[int], int] = {}
         self._done: list[tuple[float, int, int, int]] = []  # (completion time, seq, flow id, version)
         n_top = self.fabric.n_spines
@@ -211,12 +310,19 @@ class FluidSim:
         self._spine_max = [0] * n_top
         self._timeline: list[tuple[float, tuple[int, ...]]] = []
         self._mismatches = self._fallbacks = self._messages = self._events = 0
+        self._stale = self._rebuild_repathed = self._after_rebuild = 0
+        self._race_moved: set[int] = set()
+        self._routes: FailedRoutes | None = None
+        self._ctl_links: dict[tuple[int, int], tuple[int, ...]] = {}
+        self._ctl_sum, self._ctl_n, self._ctl_max = 0.0, 0, 0.0
         self._sent_by_host = [0] * self.fabric.n_hosts
         self._now = 0.0
         self._dirty = False
         self._pending = len(flows)
         self._timer_at = math.inf
         self._pending_hosts: dict[int, None] = {}  # hosts with messages on their way to the shared table
+        self._multi = self.scheme in SPLIT_SCHEMES and self.params.split.parts > 1
+        self.balancer: Balancer | None = make_balancer(self.scheme, self.params, self)
 
     def schedule(self, t: float, kind: int, data: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, data))
@@ -244,15 +350,37 @@ class FluidSim:
     def _update_rates(self) -> None:
         """Rates of the flows the last changes can affect; each re-announces its completion."""
         now, active, done = self._now, self._active, self._done
-        for fid, rate in self._shares.update().items():
-            a = active[fid]
-            a.remaining -= a.rate * (now - a.t_upd)
-            a.t_upd, a.rate = now, rate
-            a.version += 1
-            if rate > 0:
-                heapq.heappush(done, (now + a.remaining / rate, self._seq, fid, a.version))
-                self._seq += 1
+        changed = self._shares.update()
+        if self._multi:
+            self._update_transfers(changed)
+        else:
+            for fid, rate in changed.items():
+                a = active[fid]
+                a.remaining -= a.rate * (now - a.t_upd)
+                a.t_upd, a.rate = now, rate
+                a.version += 1
+                if rate > 0:
+                    heapq.heappush(done, (now + a.remaining / rate, self._seq, fid, a.version))
+                    self._seq += 1
         self._dirty = False
+        if self.balancer is not None and self.balancer.wants_rates:
+            self.balancer.rates()
+
+    def _update_transfers(self, changed: dict[int, float]) -> None:
+        """Transfers of several sub-flows: their bytes drain at the sum of the sub-flows' rates."""
+        now, done = self._now, self._done
+        touched: dict[int, Transfer] = {}
+        for sid, rate in changed.items():
+            t, k = self._owner[sid]
+            t.subs[k].rate = rate
+            touched[t.res.id] = t
+        for fid, t in touched.items():
+            t.remaining -= t.rate * (now - t.t_upd)
+            t.t_upd, t.rate = now, sum(s.rate for s in t.subs)
+            t.version += 1
+            if t.rate > 0:
+                heapq.heappush(done, (now + t.remaining / t.rate, self._seq, fid, t.version))
+                self._seq += 1
 
     def _next_completion(self) -> float:
         done, active = self._done, self._active
@@ -276,19 +404,59 @@ class FluidSim:
             if a is not None and a.version == version:
                 finished.append(a)
         for a in finished:
+            if a.chunks_left:
+                self._pause(a)
+                continue
             del active[a.res.id]
-            self._shares.remove(a.res.id)
+            for sub in a.subs:
+                self._shares.remove(sub.sid)
+                self._owner.pop(sub.sid, None)
             a.res.finish_s = now
             self._pending -= 1
             self._count_spines(a, -1)
-            if a.core_flow is not None:
-                core = self.cores[a.res.src]
-                rel = core.release(a.core_flow, now)
-                del self._by_core_flow[a.core_flow]
-                self._broadcast(a.res.src, rel.messages)
-                self._apply_repaths(rel.events)
-                self._arm_timer(core)
+            for sub in a.subs:
+                if sub.core_flow is not None:
+                    self._release(a, sub)
+            if self.balancer is not None:
+                self.balancer.done(a)
         self._spines_changed()
+        self._dirty = True
+
+    def _release(self, t: Transfer, sub: SubFlow) -> None:
+        assert sub.core_flow is not None
+        core = self.cores[t.res.src]
+        rel = core.release(sub.core_flow, self._local(core.host))
+        del self._by_core_flow[sub.core_flow]
+        self._broadcast(t.res.src, rel.messages)
+        self._apply_repaths(rel.events)
+        self._arm_timer(core)
+
+    def _pause(self, t: Transfer) -> None:
+        """A chunk is done: idle for the gap, holding its paths and reservations."""
+        fid = t.res.id
+        del self._active[fid]
+        self._paused[fid] = t
+        for sub in t.subs:
+            self._shares.remove(sub.sid)
+            sub.rate = 0.0
+        t.chunks_left -= 1
+        t.remaining, t.rate = 0.0, 0.0
+        t.version += 1
+        if self.balancer is not None:
+            self.balancer.idle(t)
+        self.schedule(self._now + self.chunk_gap, _RESUME, fid)
+
+    def _on_resume(self, fid: int) -> None:
+        t = self._paused[fid]
+        if self.balancer is not None:
+            if self.chunk_gap >= self.balancer.flowlet_s:
+                self.balancer.flowlet(t)
+            self.balancer.resumed(t)
+        del self._paused[fid]
+        self._active[fid] = t
+        t.remaining, t.t_upd, t.rate = t.chunk_bytes, self._now, 0.0
+        for sub in t.subs:
+            self._shares.add(sub.sid, sub.links)
         self._dirty = True
 
     def _on_start(self, f: FlowSpec) -> None:
@@ -297,34 +465,85 @@ class FluidSim:
             res.finish_s = self._now
             self._pending -= 1
             return
+        subs = self._split(f, res) if self._multi else [self._first(f, res)]
+        t = Transfer(res, subs, self.chunks)
+        self._active[f.id] = t
+        for k, sub in enumerate(subs):
+            self._shares.add(sub.sid, sub.links)
+            if self._multi:
+                self._owner[sub.sid] = (t, k)
+            if sub.core_flow is not None:
+                self._by_core_flow[sub.core_flow] = (t, k)
+        if self.balancer is not None:
+            self.balancer.started(t)
+        self._count_spines(t, +1)
+        self._spines_changed()
+        self._dirty = True
+
+    def _first(self, f: FlowSpec, res: FlowResult) -> SubFlow:
+        """The one path of a single-path scheme."""
         core_flow = None
-        if self.scheme == "ecmp":
+        first = self.balancer.first(f.src, f.dst, f.nbytes) if self.balancer is not None else None
+        if first is not None:
+            port, path = -1, first
+        elif self.scheme == "spray":
+            port, path = -1, -1
+        elif self.scheme in ARK_SCHEMES:
+            port, path, core_flow = self._reserve(f, res)
+        else:
             lo, hi = self.port_range
             port = int(self.rng.integers(lo, hi + 1))
             path = self._switch(f.src, f.dst, port)
-        elif self.scheme == "spray":
-            port, path = -1, -1
-        else:
-            port, path, core_flow = self._reserve(f, res)
         res.path, res.port = path, port
         links, spines = self._links(f.src, f.dst, max(path, 0))
-        act = _Active(res, links, spines)
-        act.core_flow = core_flow
-        self._active[f.id] = act
-        self._shares.add(f.id, links)
-        if core_flow is not None:
-            self._by_core_flow[core_flow] = act
-        self._count_spines(act, +1)
-        self._spines_changed()
-        self._dirty = True
+        sub = SubFlow(f.id, path, port, links, spines)
+        sub.core_flow = core_flow
+        return sub
+
+    def _split(self, f: FlowSpec, res: FlowResult) -> list[SubFlow]:
+        """Sub-flows on several paths: reserved by ARK, or on random ports."""
+        parts = self.params.split.parts
+        chosen: list[tuple[int, int, FlowId | None]]
+        if self.scheme == "ark-split":
+            core = self.cores[f.src]
+            decs = core.request_split(f.dst, f.nbytes, self._local(f.src), parts, self.dport)
+            chosen = [(d.port, self._decided(d), d.flow) for d in decs]
+            res.reserved = any(d.reserved for d in decs)
+            res.fallback = any(d.fallback for d in decs)
+            self._fallbacks += sum(d.fallback for d in decs)
+            for d in decs:
+                self._broadcast(f.src, d.messages)
+                self._apply_repaths(d.events)
+            self._arm_timer(core)
+        else:
+            ports = [self.random_port(self.rng) for _ in range(parts)]
+            chosen = [(p, self._switch(f.src, f.dst, p), None) for p in ports]
+        subs = []
+        for k, (port, path, core_flow) in enumerate(chosen):
+            links, spines = self._links(f.src, f.dst, path)
+            sub = SubFlow(sub_id(f.id, k), path, port, links, spines)
+            sub.core_flow = core_flow
+            subs.append(sub)
+        res.path, res.port = subs[0].path, subs[0].port
+        return subs
+
+    def _decided(self, dec: Decision) -> int:
+        """The path the switches send a decision's port over (a disagreement is counted)."""
+        path = self._switch(dec.flow[0], dec.dst, dec.port)
+        if path != dec.path:
+            self._count_mismatch()
+        return path
+
+    def _count_mismatch(self) -> None:
+        self._mismatches += 1
+        if self.maps is not None and self.maps.rebuilt:
+            self._after_rebuild += 1
 
     def _reserve(self, f: FlowSpec, res: FlowResult) -> tuple[int, int, FlowId]:
         """ARK: the source host's core picks the path; the simulated switch hashes the port."""
         core = self.cores[f.src]
-        dec = core.request(f.dst, f.nbytes, self._now, self.dport)
-        path = self._switch(f.src, f.dst, dec.port)
-        if path != dec.path:
-            self._mismatches += 1
+        dec = core.request(f.dst, f.nbytes, self._local(f.src), self.dport)
+        path = self._decided(dec)
         res.reserved, res.fallback = dec.reserved, dec.fallback
         self._fallbacks += dec.fallback
         self._broadcast(f.src, dec.messages)
@@ -349,7 +568,7 @@ class FluidSim:
                 continue
             for h in dests:
                 core = self.cores[h]
-                evs = core.receive(msg, self._now)
+                evs = core.receive(msg, self._local(h))
                 if evs and self._apply_repaths(evs):
                     self._dirty = True
                 self._arm_timer(core)
@@ -395,7 +614,8 @@ class FluidSim:
             self._arm_timer(None)
             return
         for core in self.cores:
-            if core.next_deadline() <= now and self._apply_repaths(core.tick(now)):
+            local = self._local(core.host)
+            if core.next_deadline() <= local and self._apply_repaths(core.tick(local)):
                 self._dirty = True
         for core in self.cores:
             self._arm_timer(core)
@@ -406,10 +626,115 @@ class FluidSim:
         if core is None or self.table is not None:
             t = self.table.next_deadline() if self.table is not None else math.inf
         else:
-            t = core.next_deadline()
+            t = self._sim_time(core.host, core.next_deadline())
         if t < self._timer_at and self._pending:
             self._timer_at = t
             self.schedule(t, _TIMER, None)
+
+    def _on_balancer(self, data: object) -> None:
+        """The balancer's events due now, as one batch (one allocation update after them)."""
+        assert self.balancer is not None
+        batch, heap = [data], self._heap
+        while heap and heap[0][0] == self._now and heap[0][2] == _LB:
+            batch.append(heapq.heappop(heap)[3])
+            self._events += 1
+        self.balancer.events(batch)
+
+    # ------------------------------------------------------------------ clocks
+    def _local(self, host: int) -> float:
+        """``host``'s clock now (skewed by its offset, if any)."""
+        return self._now if self._off is None else self._now + self._off[host]
+
+    def _sim_time(self, host: int, local: float) -> float:
+        """The simulated instant at which ``host``'s clock reads ``local`` (never early)."""
+        if self._off is None or local == math.inf:
+            return local
+        off = self._off[host]
+        t = local - off
+        while t + off < local:
+            t = math.nextafter(t, math.inf)
+        return t
+
+    # ------------------------------------------------------------------ link changes
+    def _on_change(self, _: None) -> None:
+        """A leaf-spine link fails or degrades; every flow on the scheme's terms follows."""
+        ch = self.change
+        assert ch is not None
+        for lk in ch.links(self.fabric):
+            self._set_capacity(lk, self._base_capacity[lk] * ch.fraction)
+        if ch.down:
+            self._routes = FailedRoutes(self.fabric, ch)
+            self._ctl_links.clear()
+            dead = set(ch.links(self.fabric))
+            for t in [*self._active.values(), *self._paused.values()]:
+                self._follow(t, dead)
+            if self.maps is not None:
+                self.schedule(self._now + ch.detect_s, _REBUILD, None)
+        self._spines_changed()
+        self._dirty = True
+
+    def _set_capacity(self, lk: int, cap: float) -> None:
+        self._shares.set_capacity(lk, cap)
+        for key, b in self._bundles.items():
+            if lk in key:
+                self._shares.set_capacity(b, sum(self._shares.capacity[x] for x in key))
+
+    def _follow(self, t: Transfer, dead: set[int]) -> None:
+        """After a failure: a balancer re-paths its flows; the switches re-hash every port."""
+        crossed = any(lk in dead for sub in t.subs for lk in sub.links)
+        if self.scheme == "spray" or (self.balancer is not None and self.balancer.link_down(t, crossed)):
+            return
+        res = t.res
+        reserved = self._reserved_flows(res.src) if self.cores else {}
+        for k, sub in enumerate(t.subs):
+            if sub.port < 0:
+                continue  # a path no port chose (spray, a balancer's own): nothing to re-hash
+            sw = self._switch(res.src, res.dst, sub.port)
+            if sw != sub.path:
+                self._stale += sub.core_flow is not None and reserved.get(sub.core_flow, False)
+                self._move_sub(t, k, sw, sub.port)
+
+    def _reserved_flows(self, host: int) -> dict[FlowId, bool]:
+        return {f: v[3] for f, v in self.cores[host].local_flows().items()}
+
+    def _on_rebuild(self, _: None) -> None:
+        """ARK's hosts rebuild their maps and re-path the reservations whose port moved."""
+        assert self.maps is not None
+        self.maps.rebuild()
+        for core in self.cores:
+            moved = core.reload_pathmaps()
+            reserved = self._reserved_flows(core.host) if moved else {}
+            for flow in moved:
+                entry = self._by_core_flow.get(flow)
+                if entry is not None and reserved.get(flow):
+                    self._rereserve(core, flow, *entry)
+        for core in self.cores:  # every reserved flow crosses the path it holds
+            for f, (_dst, held, _port, is_reserved) in core.local_flows().items():
+                entry = self._by_core_flow.get(f)
+                if is_reserved and entry is not None and entry[0].subs[entry[1]].path != held:
+                    self._count_mismatch()
+        self._spines_changed()
+        self._dirty = True
+
+    def _rereserve(self, core: ArkCore, flow: FlowId, t: Transfer, k: int) -> None:
+        """As ``Node.reload_pathmaps``: release, then reserve again, keeping the port when
+        the path it now leads to is free."""
+        sub, res, local = t.subs[k], t.res, self._local(core.host)
+        rel = core.release(flow, local)
+        del self._by_core_flow[flow]
+        self._broadcast(core.host, rel.messages)
+        self._apply_repaths(rel.events)
+        left = max(0.0, t.remaining - t.rate * (self._now - t.t_upd)) + t.chunks_left * t.chunk_bytes
+        dec = core.request(res.dst, int(left / len(t.subs)), local, self.dport, prefer_port=sub.port)
+        sw = self._decided(dec)
+        sub.core_flow = dec.flow
+        self._by_core_flow[dec.flow] = (t, k)
+        self._broadcast(core.host, dec.messages)
+        if sw != sub.path or dec.port != sub.port:
+            self._move_sub(t, k, sw, dec.port)
+        self._apply_repaths(dec.events)
+        self._arm_timer(core)
+        self._rebuild_repathed += 1
 
     # ------------------------------------------------------------------ helpers
     def _broadcast(self, src: int, msgs: Sequence[Message]) -> None:
@@ -420,41 +745,72 @@ class FluidSim:
             if self.table is not None:
                 self._pending_hosts[src] = None
                 self.schedule(t + self.delay, _DELIVER, (m, None))
-            elif self.jitter:
+            elif self.control_on_data or self.jitter:
                 for h in range(n):
                     if h != src:
-                        self.schedule(t + (self.delay + float(self.rng.uniform(0, self.jitter))), _DELIVER, (m, (h,)))
+                        d = self.control_delay(src, h) if self.control_on_data else \
+                            self.delay + float(self.rng.uniform(0, self.jitter))
+                        self._ctl_sum += d
+                        self._ctl_n += 1
+                        self._ctl_max = max(self._ctl_max, d)
+                        self.schedule(t + d, _DELIVER, (m, (h,)))
             else:
                 self.schedule(t + self.delay, _DELIVER, (m, tuple(h for h in range(n) if h != src)))
+
+    def control_delay(self, src: int, dst: int) -> float:
+        """In-band control: the delay plus jitter, plus the standing queue at every switch
+        egress of the control connection's path where data is bottlenecked now."""
+        d = self.delay + (float(self.rng.uniform(0, self.jitter)) if self.jitter else 0.0)
+        links = self._ctl_links.get((src, dst))
+        if links is None:
+            path = self._switch(src, dst, CONTROL_PORTS[0], CONTROL_PORTS[1])
+            links = self._ctl_links[(src, dst)] = self.fabric.path_links(src, dst, path)[1:]
+        shares = self._shares
+        for lk in links:
+            if shares.beta_of[lk] and shares.capacity[lk] > 0:
+                d += self.data_queue / shares.capacity[lk]
+        return d
 
     def _apply_repaths(self, evs: Sequence[Repath]) -> bool:
         """Move flows whose port changed after a race; True if any moved."""
         changed = False
         for ev in evs:
-            act = self._by_core_flow.get(ev.flow)
-            if act is None:
+            entry = self._by_core_flow.get(ev.flow)
+            if entry is None:
                 continue
-            res = act.res
+            t, k = entry
+            res, sub = t.res, t.subs[k]
             res.repaths += 1
             res.reserved = ev.reserved
             if not ev.reserved:
                 res.fallback = True
-            if ev.port != res.port:
+            if ev.port != sub.port:
                 sw = self._switch(res.src, res.dst, ev.port)
                 if sw != ev.path:
-                    self._mismatches += 1
-                self._count_spines(act, -1)
-                act.links, act.spines = self._links(res.src, res.dst, sw)
-                self._shares.remove(res.id)
-                self._shares.add(res.id, act.links)
-                self._count_spines(act, +1)
-                res.path, res.port = sw, ev.port
+                    self._count_mismatch()
+                self._move_sub(t, k, sw, ev.port)
+                self._race_moved.add(res.id)
                 changed = True
         if changed:
             self._spines_changed()
         return changed
 
-    def _count_spines(self, act: _Active, delta: int) -> None:
+    def _move_sub(self, t: Transfer, k: int, path: int, port: int) -> None:
+        """Sub-flow ``k`` of ``t`` now crosses ``path`` with source ``port``."""
+        sub, res = t.subs[k], t.res
+        self._count_spines(t, -1)
+        sub.links, sub.spines = self._links(res.src, res.dst, path)
+        t.spines = top_switches(t.subs)
+        if res.id in self._active:
+            self._shares.remove(sub.sid)
+            self._shares.add(sub.sid, sub.links)
+            self._dirty = True
+        self._count_spines(t, +1)
+        sub.path, sub.port = path, port
+        if k == 0:
+            res.path, res.port = path, port
+
+    def _count_spines(self, act: Transfer, delta: int) -> None:
         now, top = self._spine_now, self._spine_max
         for k in act.spines:
             c = now[k] = now[k] + delta
@@ -476,5 +832,8 @@ class FluidSim:
         top = fab.top_switch(src, dst, path)
         return fab.path_links(src, dst, path), () if top is None else (top,)
 
-    def _switch(self, src: int, dst: int, port: int) -> int:
-        return switch_path(self.fabric, src, dst, port, self.dport)
+    def _switch(self, src: int, dst: int, port: int, dport: int | None = None) -> int:
+        dp = self.dport if dport is None else dport
+        if self._routes is not None:
+            return self._routes.switch_path(src, dst, port, dp)
+        return switch_path(self.fabric, src, dst, port, dp)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,27 @@ TIMELINE_QPS = 25.0
 _PATHMAPS: dict[tuple[Fabric, tuple[int, int]], PathMapCache] = {}
 
 
+# Further keys of every record (results.json keeps RECORD_KEYS; ark compare writes these too).
+EXTRA_KEYS = ("race_moved", "moves", "rehashes", "stale", "rebuild_repathed", "mismatches_after_rebuild",
+              "control_delay_mean_s", "control_delay_max_s")
+PHASES = ("before", "during", "after")  # flows by start time around a link change
+
+
 @dataclass(frozen=True)
 class RunSpec:
     scheme: str
     qps: float
     seed: int
     record_timeline: bool = False
+    keep_flows: bool = False
 
 
 @dataclass
 class RunOutput:
     record: dict[str, Any]
     timeline: list[tuple[float, tuple[int, ...]]] | None
+    # With keep_flows: per flow (bytes, start, FCT), in flow order.
+    flows: tuple[list[int], list[float], list[float]] | None = None
 
 
 def _pathmaps(fabric: Fabric, port_range: tuple[int, int]) -> PathMapCache:
@@ -117,6 +126,13 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
         port_range=net.source_ports,
         pathmaps=_pathmaps(fabric, net.source_ports),
         record_timeline=spec.record_timeline,
+        params=cfg.params,
+        chunks=cfg.serving.chunks(cfg.workload.model),
+        chunk_gap_s=cfg.serving.layer_gap_us * 1e-6,
+        change=cfg.failure,
+        clock_skew_s=net.clock_skew_us * 1e-6,
+        control_on_data=net.control_path == "data-fabric",
+        data_queue_bytes=net.data_queue_kb * 1e3,
     )
     res = sim.run(flows)
     fcts = [f.fct_s for f in res.flows]
@@ -144,11 +160,27 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
         "path_mismatches": res.path_mismatches,
         "control_messages": res.control_messages,
         "events": res.events,
+        **{k: getattr(res, k) for k in EXTRA_KEYS},
     }
-    return RunOutput(record, res.spine_timeline if spec.record_timeline else None)
+    if cfg.failure is not None:
+        record.update(phase_fcts(cfg.failure.at_s, cfg.failure.window_s, [f.start_s for f in flows], fcts))
+    kept = ([f.nbytes for f in flows], [f.start_s for f in flows], fcts) if spec.keep_flows else None
+    return RunOutput(record, res.spine_timeline if spec.record_timeline else None, kept)
 
 
-def plan(cfg: ExperimentConfig) -> list[RunSpec]:
+def phase_fcts(at: float, window: float, starts: Sequence[float], fcts: Sequence[float]) -> dict[str, Any]:
+    """Mean FCT and count of the flows that start before ``at - window``, within ``window``
+    of ``at`` (during the change) and after ``at + window``: the same flows for every scheme."""
+    out: dict[str, Any] = {}
+    for name, lo, hi in (("before", -math.inf, at - window), ("during", at - window, at + window),
+                         ("after", at + window, math.inf)):
+        sel = [f for s, f in zip(starts, fcts, strict=True) if lo <= s < hi]
+        out[f"fct_{name}_s"] = float(np.mean(sel)) if sel else math.nan
+        out[f"flows_{name}"] = len(sel)
+    return out
+
+
+def plan(cfg: ExperimentConfig, keep_flows: bool = False) -> list[RunSpec]:
     """Every run of a sweep; the timeline is recorded at QPS 25 (or the nearest QPS)."""
     qs = cfg.workload.qps_list
     tq = min(qs, key=lambda q: (abs(q - TIMELINE_QPS), q))
@@ -156,7 +188,7 @@ def plan(cfg: ExperimentConfig) -> list[RunSpec]:
     for q in qs:
         for s in cfg.schemes:
             for i, seed in enumerate(cfg.seeds):
-                specs.append(RunSpec(s, q, seed, record_timeline=(q == tq and i == 0)))
+                specs.append(RunSpec(s, q, seed, record_timeline=(q == tq and i == 0), keep_flows=keep_flows))
     return specs
 
 
@@ -164,19 +196,29 @@ def _run_task(args: tuple[ExperimentConfig, RunSpec]) -> RunOutput:
     return run_one(*args)
 
 
-def iter_sweep(cfg: ExperimentConfig, jobs: int = 1) -> Iterator[tuple[RunSpec, RunOutput]]:
-    """Yield runs as they finish (in completion order with ``jobs`` > 1)."""
-    specs = plan(cfg)
+def run_tasks(
+    tasks: Sequence[tuple[ExperimentConfig, RunSpec]], jobs: int = 1, progress: Callable[[RunSpec], None] | None = None,
+) -> list[RunOutput]:
+    """Runs of possibly different experiments, on a pool of ``jobs`` processes; the outputs
+    in the order of ``tasks`` (so results do not depend on ``jobs``)."""
+    outs: list[RunOutput | None] = [None] * len(tasks)
     if jobs <= 1:
-        for sp in specs:
-            yield sp, run_one(cfg, sp)
-        return
-    # Heaviest (highest QPS) first so the pool's tail is short.
-    order = sorted(specs, key=lambda s: -s.qps)
-    with ProcessPoolExecutor(max_workers=jobs) as ex:
-        futs = {ex.submit(_run_task, (cfg, sp)): sp for sp in order}
-        for fut in as_completed(futs):
-            yield futs[fut], fut.result()
+        for i, t in enumerate(tasks):
+            outs[i] = run_one(*t)
+            if progress is not None:
+                progress(t[1])
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as ex:
+            order = sorted(range(len(tasks)), key=lambda i: -tasks[i][1].qps)
+            futs = {ex.submit(_run_task, tasks[i]): i for i in order}
+            for fut in as_completed(futs):
+                outs[futs[fut]] = fut.result()
+                if progress is not None:
+                    progress(tasks[futs[fut]][1])
+    return [o for o in outs if o is not None]
+
+
+FlowKey = tuple[str, float, int]  # (scheme, qps, seed)
 
 
 @dataclass
@@ -184,19 +226,17 @@ class Sweep:
     records: list[dict[str, Any]]
     timelines: dict[str, list[tuple[float, tuple[int, ...]]]]
     timeline_qps: float | None
+    flows: dict[FlowKey, tuple[list[int], list[float], list[float]]] = field(default_factory=dict)
 
 
 def run_sweep(
     cfg: ExperimentConfig,
     jobs: int = 1,
     progress: Callable[[RunSpec], None] | None = None,
+    keep_flows: bool = False,
 ) -> Sweep:
-    outs: dict[RunSpec, RunOutput] = {}
-    for sp, out in iter_sweep(cfg, jobs):
-        outs[sp] = out
-        if progress is not None:
-            progress(sp)
-    specs = plan(cfg)
+    specs = plan(cfg, keep_flows)
+    outs = dict(zip(specs, run_tasks([(cfg, sp) for sp in specs], jobs, progress), strict=True))
     records = [outs[sp].record for sp in specs]
     timelines: dict[str, list[tuple[float, tuple[int, ...]]]] = {}
     tq = None
@@ -205,7 +245,8 @@ def run_sweep(
         if tl is not None:
             timelines[sp.scheme] = tl
             tq = sp.qps
-    return Sweep(records, timelines, tq)
+    flows = {(sp.scheme, sp.qps, sp.seed): f for sp in specs if (f := outs[sp].flows) is not None}
+    return Sweep(records, timelines, tq, flows)
 
 
 # ---------------------------------------------------------------------------------------

@@ -101,6 +101,13 @@ class FairShares:
         self.beta_of.append({})
         return len(self.capacity) - 1
 
+    def set_capacity(self, link: int, capacity: float) -> None:
+        """Change a link's capacity (a failed or degraded link); every flow crossing it is
+        recomputed at the next :meth:`update`, and the closure reaches the flows it frees
+        or squeezes elsewhere."""
+        self.capacity[link] = float(capacity)
+        self._added.update(self.users[link])
+
     def add(self, flow: int, links: Iterable[int]) -> None:
         lks = tuple(links)
         self.links[flow] = lks
