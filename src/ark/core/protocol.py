@@ -233,18 +233,6 @@ class ArkCore:
         return self._table
 
     # ------------------------------------------------------------------ owner API
-    def request(
-        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,
-        *, reserve: bool = True,
-    ) -> Decision:
-        """Pick a path and source port for a new flow to ``dst`` and reserve it.
-
-        ``prefer_port``: keep this source port if the path it leads to is free (a
-        re-pathed flow then needs no new connection). ``reserve=False``: a random port,
-        nothing reserved (plain ECMP; a host whose clock cannot be trusted does this).
-        """
-        return self._request(dst, nbytes, now, dport, prefer_port, reserve, 0)
-
     def request_split(self, dst: int, nbytes: int, now: float, parts: int, dport: int = 4791) -> tuple[Decision, ...]:
         """``ark-split``: reserve one transfer of ``nbytes`` as ``parts`` sub-flows.
 
@@ -262,15 +250,23 @@ class ArkCore:
         out: list[Decision] = []
         avoid = 0
         for i in range(parts):
-            dec = self._request(dst, q + (i < r), now, dport, None, True, avoid)
+            dec = self.request(dst, q + (i < r), now, dport, avoid=avoid)
             out.append(dec)
             avoid |= 1 << dec.path
         return tuple(out)
 
-    def _request(
-        self, dst: int, nbytes: int, now: float, dport: int, prefer_port: int | None, reserve: bool, avoid: int
+    def request(
+        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,
+        *, reserve: bool = True, avoid: int = 0,
     ) -> Decision:
-        """:meth:`request`, away from the paths in the bit mask ``avoid`` while others are usable."""
+        """Pick a path and source port for a new flow to ``dst`` and reserve it.
+
+        ``prefer_port``: keep this source port if the path it leads to is free (a
+        re-pathed flow then needs no new connection). ``reserve=False``: a random port,
+        nothing reserved (plain ECMP; a host whose clock cannot be trusted does this).
+        ``avoid``: a bit mask of paths to stay off while other usable paths remain (the
+        parts of one ``ark-split`` transfer).
+        """
         if not 0 <= dst < self._n_hosts or dst == self.host:
             raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
         if nbytes < 0:
@@ -291,7 +287,7 @@ class ArkCore:
             return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
         if self._table.owner_count(self.host) >= self.limits.max_flows_per_host:
             raise CoreError(f"flows: this host holds {self.limits.max_flows_per_host} reservations (the limit)")
-        usable = buckets.usable_mask & ~avoid or buckets.usable_mask
+        usable = buckets.usable_mask & ~avoid or buckets.usable_mask if avoid else buckets.usable_mask
         if prefer_port is None and not self._pending:  # the usual request: the stage masks answer
             sids = self._sids.get(dst) or self._stage_ids(dst)
             path, pinned = self._table.lowest_free(sids, n, usable), None
