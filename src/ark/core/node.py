@@ -207,6 +207,7 @@ class Node:
         self.core = ArkCore(
             host, routes, pathmaps, policy=policy, seed=seed, retention_s=retention_s, lease=self.lease,
             expiry_grace_s=expiry_grace_s, seq_base=incarnation << 32, limits=core_limits or CoreLimits(),
+            bookkeeping_grid=True,  # a real host wakes once for many ends, not once per flow
         )
         self.peers: dict[int, PeerState] = {p: PeerState(retry_s=sync_timeout_s) for p in peers}
         self.heartbeat_s, self.peer_timeout_s, self.sync_timeout_s = heartbeat_s, peer_timeout_s, sync_timeout_s

@@ -161,6 +161,8 @@ class ArkCore:
 
     ``table``: share this table with other cores (see "Sharing one table" above) instead
     of keeping a private one; such a core takes no leases and receives no messages itself.
+    ``bookkeeping_grid``: wake for bookkeeping on a grid rather than once per flow end
+    (:meth:`ark.core.table.ReservationTable.next_deadline`); lease expiries stay exact.
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class ArkCore:
         table: ReservationTable | None = None,
         max_idle_peers: int | None = None,
         limits: CoreLimits | None = None,
+        bookkeeping_grid: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -198,7 +201,7 @@ class ArkCore:
         self.limits = limits or (table.limits if table is not None else CoreLimits.unbounded())
         self._table = table if table is not None else ReservationTable(
             routes, policy=policy, retention_s=retention_s, expiry_grace_s=expiry_grace_s, counters=self.counters,
-            limits=self.limits)
+            limits=self.limits, bookkeeping_grid=bookkeeping_grid)
         self.retention_s = self._table.retention_s
         self.expiry_grace_s = self._table.expiry_grace_s
         self.purge_slack_s = self._table.purge_slack_s

@@ -180,6 +180,7 @@ class ReservationTable:
         expiry_grace_s: float = 0.25,
         counters: Counters | None = None,
         limits: CoreLimits | None = None,
+        bookkeeping_grid: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -193,6 +194,9 @@ class ReservationTable:
         self.retention_s = retention_s
         self.expiry_grace_s = expiry_grace_s
         self.purge_slack_s = retention_s / 10  # forgetting in batches (see next_deadline)
+        # Bookkeeping deadlines on a grid of purge_slack_s (see next_deadline): what an agent
+        # wants (one wakeup for many ends); a simulator keeps one deadline per end.
+        self.bookkeeping_grid = bookkeeping_grid
         self.counters = counters if counters is not None else Counters()
         self._entries: dict[FlowId, Entry] = {}
         self._keys: list[Key] = []
@@ -652,25 +656,42 @@ class ReservationTable:
     def next_deadline(self) -> float:
         """The earliest instant at which :meth:`tick` has work (``inf``: none).
 
-        A lease that runs out stops holding links ``expiry_grace_s`` after it; a
-        reservation is forgotten once it ended more than ``retention_s`` ago. Forgetting
-        only bounds memory, so it waits ``purge_slack_s`` longer and happens in batches.
-        Heap tops may be stale (an entry renewed or released since); waking for one costs
-        one empty tick, after which the deadline moves on.
+        A lease that runs out stops holding links ``expiry_grace_s`` after it, exactly then.
+        What is left is bookkeeping (an ended reservation leaves the live set, one that ended
+        ``retention_s`` ago is forgotten) and only bounds memory: it waits ``purge_slack_s``
+        longer, and with ``bookkeeping_grid`` until the next multiple of ``purge_slack_s``, so
+        that one wakeup serves every end in between instead of one wakeup per flow. Heap
+        entries that a renewal, a release or forgetting left behind are dropped here rather
+        than woken for.
         """
         t = INF
-        if self._expiry_heap:
-            t = deadline_after(self._expiry_heap[0][0], self.expiry_grace_s, strict=False)
+        heap, entries = self._expiry_heap, self._entries
+        while heap:
+            end, f = heap[0]
+            e = entries.get(f)
+            if e is not None and e.released is None and e.end == end:
+                t = deadline_after(end, self.expiry_grace_s, strict=False)
+                break
+            heapq.heappop(heap)  # renewed, released or forgotten since: nothing expires then
+        slack = self.purge_slack_s
+        grid = self._on_grid if self.bookkeeping_grid else float
         if self._end_heap:
-            t = min(t, deadline_after(self._end_heap[0][0], self.expiry_grace_s + self.purge_slack_s, strict=False))
+            t = min(t, grid(deadline_after(self._end_heap[0][0], self.expiry_grace_s + slack, strict=False)))
         if self._purge_heap:
-            t = min(t, deadline_after(self._purge_heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
+            t = min(t, grid(deadline_after(self._purge_heap[0][0], self.retention_s + slack, strict=True)))
         heap = self._early_heap
         while heap and self._early_ts(heap[0][1]) != heap[0][0]:
             heapq.heappop(heap)  # a message consumed or replaced since: nothing to forget then
         if heap:
-            t = min(t, deadline_after(heap[0][0], self.retention_s + self.purge_slack_s, strict=True))
+            t = min(t, grid(deadline_after(heap[0][0], self.retention_s + slack, strict=True)))
         return t
+
+    def _on_grid(self, t: float) -> float:
+        """The first multiple of ``purge_slack_s`` at or after ``t``."""
+        if not t < 1e15:  # far beyond any clock: as it is (and no overflow)
+            return t
+        q = math.ceil(t / self.purge_slack_s) * self.purge_slack_s
+        return q if q >= t else math.nextafter(q, INF)
 
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:
         """Assignments that can no longer be recomputed here (see :class:`Entry` ``frozen``)."""
