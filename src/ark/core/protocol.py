@@ -792,10 +792,19 @@ class ArkCore:
 
     def _balance_choice(self, stages: tuple[tuple[int, ...], ...], n: int, now: float, usable: int = -1) -> int:
         best, best_cost = 0, float("inf")
+        seen: dict[int, float] = {}  # a link lies on many paths: its backlog once per decision
         for k in range(n):
             if not usable >> k & 1:
                 continue
-            cost = max(self._view_backlog(st[k], now) for st in stages)
+            cost = 0.0
+            for st in stages:
+                lk = st[k]
+                b = seen.get(lk)
+                if b is None:
+                    b = seen[lk] = self._view_backlog(lk, now)
+                cost = max(cost, b)
+                if cost >= best_cost:
+                    break  # this path cannot win any more
             if cost < best_cost:
                 best, best_cost = k, cost
         return best
