@@ -361,19 +361,21 @@ def _idle_cpu_per_s(pid: int, seconds: float) -> float:
     return (sum(thread_cpu_s([pid]).values()) - c0) / (time.monotonic() - t0)
 
 
-def control_costs(seconds: float = 6.0, messages: int = 20_000) -> dict[str, Any]:
+def control_costs(seconds: float = 10.0, messages: int = 20_000, sizes: tuple[int, int] = (4, 12)) -> dict[str, Any]:
     """The terms of the control-plane cost model (``ark.sim.control_plane.AgentCost``),
     measured here: CPU per received data message (:func:`per_message`), and from idle
     agents at two cluster sizes, a fixed base and the cost per peer heartbeat (one HELLO
     received and one sent). A published copy is taken to cost what a heartbeat costs
     beyond receiving one (the same socket path, without the apply)."""
     msg = per_message(messages=messages, rate=5000.0)
-    small, large = idle_cpu(2, seconds), idle_cpu(8, seconds)
-    hb = 0.25
-    slope = (large["cpu_percent_per_agent"] - small["cpu_percent_per_agent"]) / ((8 - 2) / hb)  # % per peer-heartbeat/s
+    # Two sizes far enough apart, each long enough, that the CPU clock's 10 ms ticks do not
+    # decide the slope.
+    (n_small, n_large), hb = sizes, 0.25
+    small, large = idle_cpu(n_small, seconds), idle_cpu(n_large, seconds)
+    slope = (large["cpu_percent_per_agent"] - small["cpu_percent_per_agent"]) / ((n_large - n_small) / hb)  # % per peer-heartbeat/s
     per_hb_us = max(0.0, slope * 1e4)
-    base = max(0.0, small["cpu_percent_per_agent"] - (1 / hb) * per_hb_us / 1e4)
+    base = max(0.0, small["cpu_percent_per_agent"] - (n_small - 1) / hb * per_hb_us / 1e4)
     per_msg_us = float(msg["cpu_us_per_message"])
     return {"per_message_us": round(per_msg_us, 2), "per_peer_heartbeat_us": round(per_hb_us, 2),
             "per_copy_us": round(max(1.0, per_hb_us - per_msg_us), 2), "base_percent": round(base, 3),
-            "measured": {"per_message": msg, "idle_2": small, "idle_8": large}}
+            "measured": {"per_message": msg, "idle_small": small, "idle_large": large}}
