@@ -105,3 +105,10 @@ def test_ports_engines_table_needs_no_cluster() -> None:
     p = subprocess.run([sys.executable, "-m", "ark", "ports", "--cluster", "c.toml"], capture_output=True, text=True,
                        check=False)
     assert p.returncode == 2 and p.stderr.strip() == "ark: error: --host, --peer: required (or --engines)"
+
+
+def test_bench_transport_json() -> None:
+    p = ark("bench", "transport", "--messages", "300", "--rate", "2000", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["messages"] == 300 and d["cpu_us_per_message"] > 0

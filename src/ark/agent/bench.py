@@ -379,3 +379,60 @@ def control_costs(seconds: float = 10.0, messages: int = 20_000, sizes: tuple[in
     return {"per_message_us": round(per_msg_us, 2), "per_peer_heartbeat_us": round(per_hb_us, 2),
             "per_copy_us": round(max(1.0, per_hb_us - per_msg_us), 2), "base_percent": round(base, 3),
             "measured": {"per_message": msg, "idle_small": small, "idle_large": large}}
+
+
+def _transport_sender(endpoint: str, server_key: bytes, messages: int, rate: float) -> None:
+    """The peer of :func:`transport_floor`: a CURVE DEALER sending ``messages`` small frames."""
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.curve_publickey, s.curve_secretkey = zmq.curve_keypair()
+    s.curve_serverkey = server_key
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.connect(endpoint)
+    time.sleep(0.5)  # the CURVE handshake
+    t0, body = time.monotonic(), b"x" * 120
+    for i in range(messages):
+        delay = t0 + i / rate - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        s.send(body)
+    s.send(b"")
+    time.sleep(0.5)
+    ctx.destroy(0)
+
+
+def transport_floor(messages: int = 15_000, rate: float = 1500.0) -> dict[str, Any]:
+    """What ZeroMQ with CURVE costs per message before an agent does any work: a ROUTER
+    that polls and receives one message per wakeup, as an agent does on a quiet cluster.
+    The receiving process's CPU (main and I/O threads) per message: this machine's speed
+    in the unit every agent figure is in."""
+    import multiprocessing
+
+    ctx = zmq.Context()
+    pub, sec = zmq.curve_keypair()
+    r = ctx.socket(zmq.ROUTER)
+    r.curve_secretkey, r.curve_publickey, r.curve_server = sec, pub, True
+    port = r.bind_to_random_port("tcp://127.0.0.1")
+    sender = multiprocessing.get_context("spawn").Process(
+        target=_transport_sender, args=(f"tcp://127.0.0.1:{port}", pub, messages, rate), daemon=True)
+    sender.start()
+    poller = zmq.Poller()
+    poller.register(r, zmq.POLLIN)
+    got, cpu0, t0, done = 0, 0.0, 0.0, False
+    deadline = time.monotonic() + 60 + messages / rate
+    try:
+        while not done and time.monotonic() < deadline:
+            if not poller.poll(1000):
+                continue
+            if not got:
+                cpu0, t0 = time.process_time(), time.monotonic()
+            while not done and int(r.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                frames = r.recv_multipart(copy=False)
+                done = not frames[-1].bytes
+                got += not done
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - t0
+    finally:
+        sender.join(5)
+        ctx.destroy(0)
+    return {"messages": got, "rate": rate, "seconds": round(wall, 2), "cpu_s": round(cpu, 3),
+            "cpu_us_per_message": round(cpu / max(1, got) * 1e6, 2)}

@@ -202,6 +202,19 @@ def bench_agent(messages: int, rate: float, burst: int, as_json: bool) -> None:
                         f"{r['invalid']} invalid, {r['overflow']} over the owner's cap")
 
 
+@bench.command("transport")
+@click.option("--messages", type=click.IntRange(min=100), default=15_000, show_default=True)
+@click.option("--rate", type=click.FloatRange(min=10), default=1500.0, show_default=True, help="Messages/s the peer sends.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_transport(messages: int, rate: float, as_json: bool) -> None:
+    """ZeroMQ with CURVE, one message per wakeup, no work: the floor under every agent figure."""
+    from ark.agent.bench import transport_floor
+
+    r = transport_floor(messages, rate)
+    _print_json_or_line(r, as_json, f"{r['messages']} messages at {rate:g}/s: {r['cpu_us_per_message']} us of "
+                        f"receiver CPU per message (poll and receive only)")
+
+
 @bench.command("control-plane")
 @click.option("--hosts", "hosts_csv", default="16,256,1024,4096", show_default=True,
               help="Comma-separated cluster sizes: 16 or multiples of 128.")
