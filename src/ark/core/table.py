@@ -141,6 +141,10 @@ class _StageIndex:
     masks: list[int] = field(default_factory=list)
     by_link: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     pair_sids: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    stages: list[tuple[int, ...]] = field(default_factory=list)  # by stage id
+    by_sids: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = field(default_factory=dict)
+    # Per tuple of stage ids: each path's links (shared by every pair with those stages).
+    path_links: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
 
 class _Sweep:
@@ -792,13 +796,13 @@ class ReservationTable:
         stages = self._stage_cache.get((src, dst))
         if stages is not None:
             return stages
-        stages = self._stage_cache[(src, dst)] = self.routes.stages(src, dst)
         idx = self._stages
         sids = []
-        for st in stages:
+        for st in self.routes.stages(src, dst):
             sid = idx.ids.get(st)
             if sid is None:
                 sid = idx.ids[st] = len(idx.masks)
+                idx.stages.append(st)
                 m = 0
                 for k, lk in enumerate(st):
                     idx.by_link.setdefault(lk, []).append((sid, k))
@@ -806,8 +810,14 @@ class ReservationTable:
                         m |= 1 << k
                 idx.masks.append(m)
             sids.append(sid)
-        idx.pair_sids[(src, dst)] = tuple(sids)
-        return stages
+        key = idx.pair_sids[(src, dst)] = tuple(sids)
+        # Every pair between the same two leaves has the same stages: keep one copy of them
+        # (a 3-tier fabric of 1,024 GPUs has ~90,000 pairs but ~1,000 leaf pairs).
+        shared = idx.by_sids.get(key)
+        if shared is None:
+            shared = idx.by_sids[key] = tuple(idx.stages[sid] for sid in key)
+        self._stage_cache[(src, dst)] = shared
+        return shared
 
     def _valid_reserve(self, msg: Reserve) -> bool:
         n = self.n_hosts
@@ -819,8 +829,12 @@ class ReservationTable:
         by_path = self._path_links.get((msg.src, msg.dst))
         if by_path is None:
             stages = self.stage_list(msg.src, msg.dst)
-            by_path = self._path_links[(msg.src, msg.dst)] = tuple(
-                tuple(st[k] for st in stages) for k in range(len(stages[0]))) if stages else ()
+            sids = self._stages.pair_sids[(msg.src, msg.dst)]
+            by_path = self._stages.path_links.get(sids)
+            if by_path is None:
+                by_path = self._stages.path_links[sids] = tuple(
+                    tuple(st[k] for st in stages) for k in range(len(stages[0]))) if stages else ()
+            self._path_links[(msg.src, msg.dst)] = by_path
         return by_path[path] if by_path else ()  # a pair on one leaf: its one path holds no link
 
     def _hold(self, flow: FlowId, links: Sequence[int], entry: Entry | None = None) -> None:
