@@ -17,6 +17,7 @@ from tests.cli.test_cli import ark, one_line_error
         (["compare", "--fail-link", "0:1@20:1.5"], ["failure.fraction"]),
         (["compare", "--schemes", "ecmp,drill"], ["--schemes"]),
         (["race-window", "--delays", "1,x"], ["--delays"]),
+        (["race-window", "--delays", "0,10"], ["--delays", "> 0"]),
         (["race-window", "--schemes", "ecmp"], ["--schemes"]),
     ],
 )

@@ -23,6 +23,7 @@ def test_failed_groups_shrink_and_the_hash_never_picks_the_dead_spine() -> None:
     assert routes.group(2, 6) == (0, 1, 3)  # from leaf 1
     assert routes.group(0, 2) == (0, 1, 3)  # towards leaf 1
     assert routes.group(0, 6) == (0, 1, 2, 3)  # leaves 0 -> 3 do not touch it
+    assert routes.group(2, 3) == (0,)  # within the failed leaf: one path, no spine
     ports = range(ROCE_PORT_RANGE[0], ROCE_PORT_RANGE[0] + 4000)
     moved = sum(routes.switch_path(0, 2, p, 4791) != switch_path(FOUR, 0, 2, p, 4791) for p in ports)
     assert all(routes.switch_path(0, 2, p, 4791) != 2 for p in ports)
@@ -40,7 +41,7 @@ def test_rebuilt_maps_agree_with_the_failed_switches() -> None:
 
 
 def test_link_change_specs_and_checks() -> None:
-    assert parse_link_change("0:2@20") == {"leaf": 0, "spine": 2, "at_s": 20.0}
+    assert parse_link_change("0:2@20") == {"leaf": 0, "spine": 2, "at_s": 20.0, "fraction": 0.0}
     assert parse_link_change("1:3@7.5:0.25") == {"leaf": 1, "spine": 3, "at_s": 7.5, "fraction": 0.25}
     with pytest.raises(FailureError, match=r"^--fail-link: expected LEAF:SPINE@SECONDS\[:FRACTION\]"):
         parse_link_change("0-2@20")
@@ -50,6 +51,12 @@ def test_link_change_specs_and_checks() -> None:
         from_dict({"failure": {"fraction": 1.5}})
     with pytest.raises(FailureError, match="2-tier"):
         LinkChange().check(preset("scale"))
+
+
+def test_a_link_the_command_line_fails_is_down_whatever_the_file_says() -> None:
+    degraded = from_dict({"failure": {"leaf": 1, "spine": 1, "at_s": 3.0, "fraction": 0.25}})
+    down = degraded.with_overrides(failure=parse_link_change("0:2@20"))
+    assert (down.failure.leaf, down.failure.spine, down.failure.at_s, down.failure.fraction) == (0, 2, 20.0, 0.0)
 
 
 def test_a_degraded_link_slows_only_its_flows() -> None:

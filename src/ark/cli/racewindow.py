@@ -12,15 +12,16 @@ from rich.table import Table
 from ark.cli.common import apply_sets, jobs_default, load_config, out, run_progress, seeds_option
 
 
-def _floats(text: str | None, name: str) -> tuple[float, ...] | None:
+def _floats(text: str | None, name: str, positive: bool = False) -> tuple[float, ...] | None:
     if text is None:
         return None
+    what = "> 0" if positive else ">= 0"  # delays: the zero-delay reference is run anyway
     try:
         vals = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers >= 0, got {text!r}", param_hint=name) from None
-    if any(v < 0 for v in vals):
-        raise click.BadParameter(f"expected comma-separated numbers >= 0, got {text!r}", param_hint=name)
+        raise click.BadParameter(f"expected comma-separated numbers {what}, got {text!r}", param_hint=name) from None
+    if any(not (v > 0 if positive else v >= 0) or v != v or v == float("inf") for v in vals):
+        raise click.BadParameter(f"expected comma-separated finite numbers {what}, got {text!r}", param_hint=name)
     return vals
 
 
@@ -55,7 +56,7 @@ def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | No
     sd = seeds_option(seeds) or (0, 1, 2)
     cfg = apply_sets(rw.race_config(requests, sd, qps, base=load_config(config_path) if config_path else None), sets)
     pts = rw.race_points(*(v if v is not None else d for v, d in (
-        (_floats(delays, "--delays"), rw.DELAYS_US), (_floats(jitters, "--jitters"), rw.JITTERS_US),
+        (_floats(delays, "--delays", positive=True), rw.DELAYS_US), (_floats(jitters, "--jitters"), rw.JITTERS_US),
         (_floats(skews, "--skews"), rw.SKEWS_US), (_floats(queues, "--queues"), rw.QUEUES_KB))))
     with run_progress(len(cfg.seeds) * (1 + len(pts) * len(names)), disable=as_json) as tick:
         rows = rw.run_race_window(cfg, pts, names, jobs or jobs_default(), tick)

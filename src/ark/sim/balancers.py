@@ -3,7 +3,7 @@
 Each baseline is a :class:`Balancer`: the simulator (:class:`ark.sim.engine.FluidSim`)
 asks it for paths at the moments its published mechanism decides, and moves the flows it
 says. What each model keeps of the mechanism, and what a fluid model cannot capture of
-it, is written in ``docs/baselines.md``; the parameters are the ``[schemes.*]`` tables of
+it, is written in ``docs/baselines.md``; the parameters are the ``[params.*]`` tables of
 an experiment file (:class:`SchemeParams`), with the published defaults.
 
 * :class:`Plb`: host-side Protective Load Balancing as Linux's ``tcp_plb.c`` does it:
@@ -57,7 +57,7 @@ class PlbParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     idle_rehash_rounds: Annotated[int, msgspec.Meta(ge=0, le=255)] = 3  # 0: off
     forced: bool = True  # false: idle-only re-hash (the forced re-hash off)
     suspend_rto_s: NonNegative = 60.0  # after an RTO no re-hash for a random 1-2x this
-    rtt_us: Positive = 20.0  # one round: base RTT plus an ECN-threshold queue
+    rtt_us: Positive = 20.0  # the base round-trip time: DCTCP's RTT in W, and one round's length
     ecn_threshold_kb: Positive = 100.0  # DCTCP's marking threshold K
     # Re-hashes that come due are applied together at the next multiple of this (0: each at
     # its own round end). A fluid model cannot resolve a flow that moves every 12 rounds
@@ -88,7 +88,7 @@ class SplitParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
 
 class SchemeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[schemes]`` table: one sub-table per scheme with parameters."""
+    """The ``[params]`` table: one sub-table per scheme with parameters."""
 
     plb: PlbParams = msgspec.field(default_factory=PlbParams)
     letflow: LetFlowParams = msgspec.field(default_factory=LetFlowParams)

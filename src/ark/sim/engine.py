@@ -725,7 +725,13 @@ class FluidSim:
         self._broadcast(core.host, rel.messages)
         self._apply_repaths(rel.events)
         left = max(0.0, t.remaining - t.rate * (self._now - t.t_upd)) + t.chunks_left * t.chunk_bytes
-        dec = core.request(res.dst, int(left / len(t.subs)), local, self.dport, prefer_port=sub.port)
+        # The transfer's other parts keep their paths: stay off them while others are free,
+        # as request_split does.
+        avoid = sum(1 << s.path for j, s in enumerate(t.subs) if j != k)
+        dec = core.request(res.dst, int(left / len(t.subs)), local, self.dport, prefer_port=sub.port, avoid=avoid)
+        if k == 0:
+            res.reserved, res.fallback = dec.reserved, dec.fallback
+        self._fallbacks += dec.fallback
         sw = self._decided(dec)
         sub.core_flow = dec.flow
         self._by_core_flow[dec.flow] = (t, k)

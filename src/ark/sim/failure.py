@@ -78,9 +78,10 @@ def parse_link_change(text: str) -> dict[str, float | int]:
     if m is None:
         raise FailureError(f"--fail-link: expected LEAF:SPINE@SECONDS[:FRACTION], e.g. 0:2@20 or 0:2@20:0.25; got {text!r}")
     try:
-        d: dict[str, float | int] = {"leaf": int(m.group(1)), "spine": int(m.group(2)), "at_s": float(m.group(3))}
-        if m.group(4) is not None:
-            d["fraction"] = float(m.group(4))
+        # Every field, so that a [failure] table in the config file cannot leave its own
+        # fraction under a link the command line says is down.
+        d: dict[str, float | int] = {"leaf": int(m.group(1)), "spine": int(m.group(2)), "at_s": float(m.group(3)),
+                                     "fraction": 0.0 if m.group(4) is None else float(m.group(4))}
     except ValueError:
         raise FailureError(f"--fail-link: not a number in {text!r}") from None
     return d
@@ -98,6 +99,8 @@ class FailedRoutes:
         """The spines the source leaf's ECMP group holds towards ``dst``, in order."""
         fab = self.fabric
         a, b = fab.leaf_of(src), fab.leaf_of(dst)
+        if a == b:
+            return (0,)  # within a leaf: one path, no spine
         if self.change.leaf in (a, b):
             return self._alive
         return tuple(range(fab.n_spines))
