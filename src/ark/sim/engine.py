@@ -727,7 +727,10 @@ class FluidSim:
         left = max(0.0, t.remaining - t.rate * (self._now - t.t_upd)) + t.chunks_left * t.chunk_bytes
         # The transfer's other parts keep their paths: stay off them while others are free,
         # as request_split does.
-        avoid = sum(1 << s.path for j, s in enumerate(t.subs) if j != k)
+        avoid = 0
+        for j, s in enumerate(t.subs):
+            if j != k:
+                avoid |= 1 << s.path  # siblings may share a path: a sum would carry into the next bit
         dec = core.request(res.dst, int(left / len(t.subs)), local, self.dport, prefer_port=sub.port, avoid=avoid)
         if k == 0:
             res.reserved, res.fallback = dec.reserved, dec.fallback
