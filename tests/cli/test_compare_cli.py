@@ -6,6 +6,9 @@ import json
 
 import pytest
 
+from ark.cli.common import apply_sets
+from ark.sim.config import default
+from ark.sim.racewindow import halving_delay
 from tests.cli.test_cli import ark, one_line_error
 
 
@@ -19,6 +22,13 @@ from tests.cli.test_cli import ark, one_line_error
         (["race-window", "--delays", "1,x"], ["--delays"]),
         (["race-window", "--delays", "0,10"], ["--delays", "> 0"]),
         (["race-window", "--schemes", "ecmp"], ["--schemes"]),
+        (["race-window", "--delays", ""], ["--delays"]),
+        (["race-window", "--jitters", "nan"], ["--jitters", "finite"]),
+        (["race-window", "--set", "workload.qps=[5, 10]"], ["--set", "workload.qps", "--qps"]),
+        (["race-window", "--set", "network.control_delay_us=5"], ["--set", "--delays"]),
+        (["compare", "--set", 'fabric.preset="clos3-small"', "--schemes", "conga,ecmp"],
+         ["experiment.schemes", "conga", "2-tier"]),
+        (["compare", "--qps", "5,inf"], ["--qps", "finite"]),
     ],
 )
 def test_bad_compare_options_one_line_error(args: list[str], needles: list[str]) -> None:
@@ -47,7 +57,7 @@ def test_race_window_json(tmp_path) -> None:
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert {r["sweep"] for r in d["rows"]} == {"ecmp", "reference", "delay", "skew"}
-    assert "ark" in d["halving_delay_us"]
+    assert d["halving_delay_us"] == {"ark": halving_delay(d["rows"], "ark")}
     assert (tmp_path / "rw" / "race_window.png").stat().st_size > 0
 
 
@@ -58,5 +68,6 @@ def test_set_overrides_a_config_value(tmp_path) -> None:
     assert p.returncode == 0, p.stderr
     md = (tmp_path / "o" / "results.md").read_text()
     assert "KV transfer `per-layer`" in md
+    assert apply_sets(default(), ("params.split.parts=2",)).params.split.parts == 2
     one_line_error(ark("compare", "--set", "params.split.parts=0", "--qps", "5"), "params.split.parts")
     one_line_error(ark("compare", "--set", "nokey", "--qps", "5"), "--set")

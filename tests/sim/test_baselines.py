@@ -119,9 +119,9 @@ def test_conga_takes_the_idle_uplink() -> None:
 
 
 # ---------------------------------------------------------------------------------------- the single-path bound
-def test_a_single_path_oracle_stays_short_of_spray_where_ark_split_does_not() -> None:
+def test_a_single_path_oracle_beats_ark_balance_yet_trails_spray_by_more_than_10pct() -> None:
     """Knowing every flow's bytes left, one path per flow still trails the ideal spray by
-    more than 10% at QPS 25; the sub-flows of ark-split close the gap (docs/baselines.md)."""
+    more than 10% at QPS 25 (ark-split's sub-flows close that gap: tests/sim/test_compare.py)."""
     cfg = config.default()
     oracle, balance = _mean(_runs(cfg, "oracle-path", 25.0)), _mean(_runs(cfg, "ark-balance", 25.0))
     spray = _mean(_runs(cfg, "spray", 25.0))

@@ -105,6 +105,6 @@ def test_no_flow_crosses_the_dead_spine_after_the_failure(scheme: str) -> None:
     rng = np.random.default_rng(4)
     flows = [FlowSpec(i, i % 8, 8 + (i * 5) % 8, int(rng.integers(10**8, 2 * 10**9)), 0.02 * i) for i in range(120)]
     change = LinkChange(leaf=0, spine=1, at_s=0.5, detect_s=0.0)
-    res = FluidSim(PAPER, scheme, seed=2, change=change, params=None).run(flows)
+    res = FluidSim(PAPER, scheme, seed=2, change=change).run(flows)
     late = [f for f in res.flows if f.finish_s > 0.5]
     assert late and all(f.path != 1 for f in late), [f.id for f in late if f.path == 1]

@@ -119,6 +119,8 @@ def test_testbed_commands_without_a_testbed_fail_in_one_line(tmp_path, capsys):
     assert e.startswith("ark: error: no testbed at") and "\n" not in e
     assert main(["testbed", "run", "--fail-link", "0-1", "--state-dir", str(tmp_path)]) == 2
     assert "--fail-link" in capsys.readouterr().err
+    assert main(["testbed", "run", "--fail-link", "0:1@3:0.5", "--state-dir", str(tmp_path)]) == 2
+    assert "cannot degrade" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- root

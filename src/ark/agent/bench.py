@@ -24,9 +24,10 @@ import zmq
 import zmq.auth
 
 from ark.agent.attack import KINDS, hostile_envelopes
-from ark.agent.client import ArkClient, ArkClientError
+from ark.agent.client import AgentTimeout, ArkClient, ArkClientError
 from ark.agent.cluster import Cluster
 from ark.agent.cluster import load as load_cluster
+from ark.agent.daemon import readable
 from ark.agent.loopback import AgentProcs, write_cluster
 
 
@@ -419,14 +420,15 @@ def transport_floor(messages: int = 15_000, rate: float = 1500.0) -> dict[str, A
     poller = zmq.Poller()
     poller.register(r, zmq.POLLIN)
     got, cpu0, t0, done = 0, 0.0, 0.0, False
-    deadline = time.monotonic() + 60 + messages / rate
+    t_start = time.monotonic()
+    deadline = t_start + 60 + messages / rate
     try:
         while not done and time.monotonic() < deadline:
             if not poller.poll(1000):
                 continue
             if not got:
                 cpu0, t0 = time.process_time(), time.monotonic()
-            while not done and int(r.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            while not done and readable(r):  # the agent's own readiness check
                 frames = r.recv_multipart(copy=False)
                 done = not frames[-1].bytes
                 got += not done
@@ -434,5 +436,7 @@ def transport_floor(messages: int = 15_000, rate: float = 1500.0) -> dict[str, A
     finally:
         sender.join(5)
         ctx.destroy(0)
+    if not got:
+        raise AgentTimeout(f"transport: no message arrived from the sender within {deadline - t_start:.0f} s")
     return {"messages": got, "rate": rate, "seconds": round(wall, 2), "cpu_s": round(cpu, 3),
             "cpu_us_per_message": round(cpu / max(1, got) * 1e6, 2)}

@@ -286,10 +286,10 @@ class Agent:
         sock, api = self.inbox, self.api_sock
         i = 0
         try:
-            while i < limit and _readable(sock):
+            while i < limit and readable(sock):
                 self._peer_message(_frames(sock))
                 i += 1
-                if i % slice_ == 0 and _readable(api):
+                if i % slice_ == 0 and readable(api):
                     self._settle()
                     self._drain_api(64)
         finally:
@@ -344,7 +344,7 @@ class Agent:
     def _drain_api(self, limit: int = 1024) -> None:
         sock = self.api_sock
         for _ in range(limit):
-            if not _readable(sock):
+            if not readable(sock):
                 return
             frames = sock.recv_multipart()
             if len(frames) < 2:
@@ -437,7 +437,7 @@ class _ArrivalRate:
         return max(self.rate, self.count / self.span_s)
 
 
-def _readable(sock: zmq.Socket) -> bool:
+def readable(sock: zmq.Socket) -> bool:
     # A plain integer query: a receive that fails costs a raised exception, several times more.
     return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN)
 

@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ark.cli.common import out
+from ark.cli.common import FiniteRange, out
 
 
 def _cluster(path: str) -> Any:
@@ -128,7 +128,7 @@ def _engine_table() -> None:
 @click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)
 @click.option("--flows", type=click.IntRange(min=1), default=5000, show_default=True, help="Reserve+release cycles.")
 @click.option("--kill", type=click.IntRange(min=0), default=0, show_default=True, help="Agents to SIGKILL halfway and restart.")
-@click.option("--lease", "lease_min_s", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Minimum lease (s).")
+@click.option("--lease", "lease_min_s", type=FiniteRange(min=0.1), default=1.0, show_default=True, help="Minimum lease (s).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--hog", "hogs", type=click.IntRange(0, 64), default=0, show_default=True,
               help="Busy processes beside the agents all along (an overloaded host).")

@@ -7,7 +7,7 @@ import json
 import click
 from rich.table import Table
 
-from ark.cli.common import jobs_default, out, qps_list, seeds_option
+from ark.cli.common import FiniteRange, jobs_default, jobs_option, out, qps_list, seeds_option
 from ark.core.hashing import HASH_MODELS
 from ark.sim import config as cfgmod
 from ark.sim.engine import SCHEMES
@@ -50,7 +50,7 @@ def bench_controller(hash_name: str, as_json: bool) -> None:
 @click.option("--qps", "qps", help="Comma-separated loads (default: the paper's 7).")
 @click.option("--requests", type=click.IntRange(min=1))
 @click.option("--seeds")
-@click.option("--jobs", type=click.IntRange(min=1), default=None)
+@jobs_option()
 @click.option("--json", "as_json", is_flag=True)
 def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jobs: int | None, as_json: bool) -> None:
     """Wall time and simulator events/s of the default `ark reproduce` sweep (no files)."""
@@ -69,7 +69,7 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
 
 
 @bench.command("compare")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: CPU count).")
+@jobs_option()
 @click.option("--json", "as_json", is_flag=True)
 def bench_compare(jobs: int | None, as_json: bool) -> None:
     """Wall time of `ark compare` on the default config (no files), against `ark reproduce`
@@ -91,7 +91,7 @@ def bench_compare(jobs: int | None, as_json: bool) -> None:
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(list(SCHEMES)),
               help="Repeat for several (default: ark).")
 @click.option("--requests", type=click.IntRange(min=1), default=100_000, show_default=True)
-@click.option("--qps", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--qps", type=FiniteRange(min=0, min_open=True), default=None,
               help="Arrival rate (default: 1400, offered load about 0.76).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_scale(schemes: tuple[str, ...], requests: int, qps: float | None, as_json: bool) -> None:
@@ -118,8 +118,8 @@ def bench_scale(schemes: tuple[str, ...], requests: int, qps: float | None, as_j
 
 @bench.command("idle")
 @click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)
-@click.option("--seconds", type=click.FloatRange(min=1), default=60.0, show_default=True)
-@click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
+@click.option("--seconds", type=FiniteRange(min=1), default=60.0, show_default=True)
+@click.option("--heartbeat", type=FiniteRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_idle(agents: int, seconds: float, heartbeat: float, as_json: bool) -> None:
     """CPU of idle agents on loopback (no flows): what heartbeats and timers cost."""
@@ -141,9 +141,9 @@ def _print_json_or_line(res: dict[str, object], as_json: bool, line: str) -> Non
 
 
 @bench.command("flood")
-@click.option("--rate", type=click.FloatRange(min=1), default=10_000, show_default=True, help="Hostile messages/s from one peer.")
-@click.option("--seconds", type=click.FloatRange(min=1), default=10.0, show_default=True)
-@click.option("--peer-rate", type=click.FloatRange(min=10), default=2000.0, show_default=True, help="The agents' peer_rate.")
+@click.option("--rate", type=FiniteRange(min=1), default=10_000, show_default=True, help="Hostile messages/s from one peer.")
+@click.option("--seconds", type=FiniteRange(min=1), default=10.0, show_default=True)
+@click.option("--peer-rate", type=FiniteRange(min=10), default=2000.0, show_default=True, help="The agents' peer_rate.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_flood(rate: float, seconds: float, peer_rate: float, as_json: bool) -> None:
     """A listed peer floods an agent with hostile messages; local API latency meanwhile."""
@@ -187,7 +187,7 @@ def bench_unauth(announce_mb: int, connections: int, idle: int, fd_limit: int, a
 
 @bench.command("agent")
 @click.option("--messages", type=click.IntRange(min=100), default=40_000, show_default=True)
-@click.option("--rate", type=click.FloatRange(min=10), default=5000.0, show_default=True, help="Messages/s the peer sends.")
+@click.option("--rate", type=FiniteRange(min=10), default=5000.0, show_default=True, help="Messages/s the peer sends.")
 @click.option("--burst", type=click.IntRange(min=1), default=100, show_default=True,
               help="Messages sent back to back between pauses (1: each one wakes the agent).")
 @click.option("--json", "as_json", is_flag=True)
@@ -204,7 +204,7 @@ def bench_agent(messages: int, rate: float, burst: int, as_json: bool) -> None:
 
 @bench.command("transport")
 @click.option("--messages", type=click.IntRange(min=100), default=15_000, show_default=True)
-@click.option("--rate", type=click.FloatRange(min=10), default=1500.0, show_default=True, help="Messages/s the peer sends.")
+@click.option("--rate", type=FiniteRange(min=10), default=1500.0, show_default=True, help="Messages/s the peer sends.")
 @click.option("--json", "as_json", is_flag=True)
 def bench_transport(messages: int, rate: float, as_json: bool) -> None:
     """ZeroMQ with CURVE, one message per wakeup, no work: the floor under every agent figure."""
@@ -222,7 +222,7 @@ def bench_transport(messages: int, rate: float, as_json: bool) -> None:
               help="Who sends to whom (repeat; default: all three).")
 @click.option("--flows", type=click.IntRange(100, 10**6), default=2000, show_default=True,
               help="Simulated flows per size and placement.")
-@click.option("--heartbeat", type=click.FloatRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
+@click.option("--heartbeat", type=FiniteRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
 @click.option("--measure/--no-measure", default=True, show_default=True,
               help="Measure the agent's costs first (about a minute); else use --cost or the built-in figures.")
 @click.option("--cost", "cost_json", type=click.Path(exists=True, dir_okay=False),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import tomllib
@@ -23,22 +24,41 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 
-def qps_list(text: str | None) -> tuple[float, ...] | None:
+class FiniteRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses nan and inf (which compare false to every bound)."""
+
+    name = "finite float range"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return v
+
+
+def number_list(text: str | None, name: str, *, positive: bool = True,
+                nonempty: bool = True) -> tuple[float, ...] | None:
+    """``1,2.5,10``: finite numbers > 0 (or >= 0); None when the option was not given."""
     if text is None:
         return None
+    what = f"comma-separated finite numbers {'> 0' if positive else '>= 0'}"
     try:
         vals = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers > 0, got {text!r}", param_hint="--qps") from None
-    if not vals or any(not v > 0 for v in vals):
-        raise click.BadParameter(f"expected comma-separated numbers > 0, got {text!r}", param_hint="--qps")
+        raise click.BadParameter(f"expected {what}, got {text!r}", param_hint=name) from None
+    if (nonempty and not vals) or any(not math.isfinite(v) or not (v > 0 if positive else v >= 0) for v in vals):
+        raise click.BadParameter(f"expected {what}, got {text!r}", param_hint=name)
     return vals
+
+
+def qps_list(text: str | None) -> tuple[float, ...] | None:
+    return number_list(text, "--qps")
 
 
 def schemes_option(text: str | None) -> tuple[str, ...] | None:
     if text is None:
         return None
-    vals = tuple(x.strip() for x in text.split(",") if x.strip())
+    vals = tuple(dict.fromkeys(x.strip() for x in text.split(",") if x.strip()))  # a scheme named twice runs once
     bad = [v for v in vals if v not in SCHEMES]
     if bad or not vals:
         raise click.BadParameter(
@@ -93,12 +113,19 @@ def apply_sets(cfg: ExperimentConfig, sets: tuple[str, ...]) -> ExperimentConfig
 
 
 # ---------------------------------------------------------------------------------------
-# rendering
+# worker processes and progress
 # ---------------------------------------------------------------------------------------
+JOBS_MAX = 8  # sweeps of small runs gain little beyond this
+
+
 def jobs_default() -> int:
-    return max(1, min(os.cpu_count() or 1, 8))
+    return max(1, min(os.cpu_count() or 1, JOBS_MAX))
 
 
+def jobs_option(what: str = "Worker processes") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--jobs N`` (default: :func:`jobs_default`), the same for every command that sweeps."""
+    return click.option("--jobs", type=click.IntRange(min=1), default=None,
+                        help=f"{what} (default: the CPU count, at most {JOBS_MAX}).")
 
 
 @contextmanager

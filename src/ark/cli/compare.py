@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ark.cli.common import (
     jobs_default,
+    jobs_option,
     load_config,
     out,
     qps_list,
@@ -28,6 +29,14 @@ def _pct(x: float) -> str:
     return "—" if math.isnan(x) else f"{100 * x:+.1f}%"
 
 
+def _ratio(x: float) -> str:
+    return "—" if math.isnan(x) else f"{x:.3f}"  # nan: spray was not run
+
+
+def _ms(x: float) -> str:
+    return "—" if math.isnan(x) else f"{x * 1e3:.0f} ms"  # nan: no flow in that group
+
+
 def fct_rich(rows: Sequence[dict[str, Any]], schemes: Sequence[str]) -> Table:
     t = Table(title="mean FCT per scheme (mean over seeds); x = ratio to the ideal spray, Δ = change versus ECMP")
     for c in ("QPS", "scheme", "mean FCT", "x spray", "Δ ECMP", "P95 FCT", "P99 FCT"):
@@ -38,9 +47,9 @@ def fct_rich(rows: Sequence[dict[str, Any]], schemes: Sequence[str]) -> Table:
         if last is not None and r["qps"] != last:
             t.add_section()
         last = r["qps"]
-        t.add_row(f"{r['qps']:g}", r["scheme"], f"{r['fct_mean_s'] * 1e3:.0f} ms", f"{r['x_spray']:.3f}",
-                  "—" if r["scheme"] == "ecmp" else _pct(r["vs_ecmp"]), f"{r['fct_p95_s'] * 1e3:.0f} ms",
-                  f"{r['fct_p99_s'] * 1e3:.0f} ms")
+        t.add_row(f"{r['qps']:g}", r["scheme"], _ms(r["fct_mean_s"]), _ratio(r["x_spray"]),
+                  "—" if r["scheme"] == "ecmp" else _pct(r["vs_ecmp"]), _ms(r["fct_p95_s"]),
+                  _ms(r["fct_p99_s"]))
     return t
 
 
@@ -50,8 +59,8 @@ def decision_rich(dec: Sequence[dict[str, Any]]) -> Table:
         t.add_column(c, justify="right" if c in ("QPS", "x spray", "Δ ECMP") else "left")
     for d in dec:
         t.add_row(f"{d['qps']:g}", d["best"], ", ".join(d["as_good"]), d["best_ark"] or "—",
-                  f"{d['best_ark_x_spray']:.3f}", _pct(d["best_ark_vs_ecmp"]), d["best_other"] or "—",
-                  f"{d['best_other_x_spray']:.3f}")
+                  _ratio(d["best_ark_x_spray"]), _pct(d["best_ark_vs_ecmp"]), d["best_other"] or "—",
+                  _ratio(d["best_other_x_spray"]))
     return t
 
 
@@ -60,7 +69,7 @@ def failure_rich(rows: Sequence[dict[str, Any]], label: str) -> Table:
     for c in ("QPS", "scheme", "before", "during", "after", "stale", "re-reserved", "mismatches after rebuild"):
         t.add_column(c, justify="left" if c == "scheme" else "right")
     for r in rows:
-        t.add_row(f"{r['qps']:g}", r["scheme"], *(f"{r[f'fct_{p}_s'] * 1e3:.0f} ms" for p in ("before", "during", "after")),
+        t.add_row(f"{r['qps']:g}", r["scheme"], *(_ms(r[f"fct_{p}_s"]) for p in ("before", "during", "after")),
                   str(r["stale"]), str(r["rebuild_repathed"]), str(r["mismatches_after_rebuild"]))
     return t
 
@@ -87,7 +96,7 @@ def _plots(comp: Any, od: Path) -> list[Path]:
 @click.option("--requests", type=click.IntRange(min=1), help="Requests per run.")
 @click.option("--seeds", help="Seed count N or a list like 0,4,7.")
 @click.option("--out", "out_dir", default="ark-compare", show_default=True, help="Output folder.")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: CPU count).")
+@jobs_option()
 @click.option("--no-plots", is_flag=True, help="Skip the PNG figures.")
 @click.option("--figures", "fig_dir", type=click.Path(file_okay=False), help="Write the figures here (default: --out).")
 @click.option("--json", "as_json", is_flag=True, help="Print the tables as JSON.")
@@ -96,14 +105,10 @@ def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None,
             fig_dir: str | None, as_json: bool) -> None:
     """Every baseline, ARK policy and the ideal spray on the same workloads: FCT tables,
     CDFs, slowdown against size and the "which scheme at which load" summary (results.md)."""
-    from ark.sim.compare import (
-        compare_config,
-        decisions,
-        failure_table,
-        fct_table,
-        run_compare,
-        write_compare,
-    )
+    from ark.sim.compare import compare_config, run_compare, write_compare
+
+    if no_plots and fig_dir:
+        raise click.BadParameter("--figures: there are none to write with --no-plots", param_hint="--figures")
     from ark.sim.experiment import plan
 
     cfg = load_config(config_path, sets).with_overrides(
@@ -117,8 +122,7 @@ def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None,
         fd = Path(fig_dir or out_dir)
         fd.mkdir(parents=True, exist_ok=True)
         files += _plots(comp, fd)
-    rows = fct_table(comp.records)
-    dec, fail = decisions(rows), failure_table(comp.records)
+    rows, dec, fail = comp.summary, comp.decisions, comp.failure
     if as_json:
         click.echo(json.dumps({"summary": rows, "decisions": dec, "failure": fail, "files": [str(f) for f in files]},
                               indent=1))

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from ark.cli.common import (
     jobs_default,
+    jobs_option,
     load_config,
     out,
     qps_list,
@@ -86,7 +87,7 @@ def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool,
 @click.option("--schemes", help=f"Comma-separated subset of {','.join(SCHEMES)}.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (default: the paper's setup).")
 @click.option("--out", "out_dir", default="ark-results", show_default=True, help="Output folder.")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: CPU count).")
+@jobs_option()
 @click.option("--no-plots", is_flag=True, help="Skip the PNG figures.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 def reproduce(
@@ -103,7 +104,7 @@ def reproduce(
 @click.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), required=True, help="TOML scenario.")
 @click.option("--out", "out_dir", default="ark-results", show_default=True, help="Output folder.")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes.")
+@jobs_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def simulate(config_path: str, out_dir: str, jobs: int | None, as_json: bool) -> None:
     """Run the scenario of one config file; prints and writes the same metrics."""

@@ -46,7 +46,7 @@ def _metric_figure(records: Sequence[dict[str, Any]], metrics: Sequence[tuple[st
     for ax, (metric, label) in zip(axes[0], metrics, strict=True):
         for s in schemes:
             qs, mean, lo, hi = _series(records, s, metric)
-            st = dict(STYLE.get(s, dict(label=s)))
+            st = _style(s)
             err = np.array([np.subtract(mean, lo), np.subtract(hi, mean)])
             ax.errorbar(qs, mean, yerr=err, capsize=3, linewidth=1.6, markersize=5, **st)
         ax.set_xlabel("load (QPS)")
@@ -54,11 +54,7 @@ def _metric_figure(records: Sequence[dict[str, Any]], metrics: Sequence[tuple[st
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(frameon=False)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=150)
-    plt.close(fig)
-    return path
+    return _save(fig, path, title, dpi=150)
 
 
 def fct_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
@@ -220,7 +216,7 @@ def slowdown(rows: Sequence[dict[str, Any]], out: Path) -> Path | None:
     return _save(fig, out / "slowdown.png", f"slowdown against flow size at QPS {rows[0]['qps']:g} (seeds pooled)")
 
 
-def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Path) -> Path:
+def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Path, placement: str) -> Path:
     """ARK's gain over ECMP and races per 1,000 flows against the one-way control delay."""
     fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
     for s in schemes:
@@ -236,4 +232,4 @@ def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Pat
         ax.grid(True, which="both", alpha=0.3)
     axes[1].set_yscale("log")
     axes[0].legend(frameon=False, fontsize=8)
-    return _save(fig, out / "race_window.png", "the race window: 24 prefill hosts on three leaves share one decode leaf")
+    return _save(fig, out / "race_window.png", f"the race window: {placement}")

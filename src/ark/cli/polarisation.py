@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from ark.cli.common import jobs_default, out, qps_list
+from ark.cli.common import jobs_default, jobs_option, out, qps_list
 
 
 @click.command()
@@ -18,7 +18,7 @@ from ark.cli.common import jobs_default, out, qps_list
 @click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--out", "out_dir", default="ark-results", show_default=True, help="Where polarisation.json|png go.")
-@click.option("--jobs", type=click.IntRange(min=1), default=None)
+@jobs_option()
 @click.option("--json", "as_json", is_flag=True)
 def polarisation(pairs: int, qps: str | None, requests: int, seeds: int, out_dir: str, jobs: int | None,
                  as_json: bool) -> None:

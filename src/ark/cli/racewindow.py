@@ -9,20 +9,40 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from ark.cli.common import apply_sets, jobs_default, load_config, out, run_progress, seeds_option
+from ark.cli.common import (
+    FiniteRange,
+    apply_sets,
+    jobs_default,
+    jobs_option,
+    load_config,
+    number_list,
+    out,
+    run_progress,
+    seeds_option,
+)
 
 
-def _floats(text: str | None, name: str, positive: bool = False) -> tuple[float, ...] | None:
-    if text is None:
-        return None
-    what = "> 0" if positive else ">= 0"  # delays: the zero-delay reference is run anyway
-    try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated numbers {what}, got {text!r}", param_hint=name) from None
-    if any(not (v > 0 if positive else v >= 0) or v != v or v == float("inf") for v in vals):
-        raise click.BadParameter(f"expected comma-separated finite numbers {what}, got {text!r}", param_hint=name)
-    return vals
+def _sweep(text: str | None, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
+    """A sweep's points (an empty list skips that sweep); the delays must be > 0 and given."""
+    delays = name == "--delays"  # the zero-delay reference is run anyway
+    vals = number_list(text, name, positive=delays, nonempty=delays)
+    return default if vals is None else vals
+
+
+# What the sweep sets itself, and the option that sets it instead of --set.
+_POINTS = "--delays, --jitters, --skews or --queues"
+_SWEPT = {"network.control_delay_us": _POINTS, "network.control_jitter_us": _POINTS, "network.clock_skew_us": _POINTS,
+          "network.control_path": _POINTS, "network.data_queue_kb": _POINTS, "workload.qps": "--qps",
+          "workload.requests": "--requests", "experiment.seeds": "--seeds", "experiment.schemes": "--schemes"}
+
+
+def _delay(us: float) -> str:
+    return f"{us / 1e3:,.1f} ms" if us >= 1000 else f"{us:,.1f} us"
+
+
+def _check_set(key: str) -> None:
+    if key in _SWEPT:
+        raise click.BadParameter(f"{key}: the race window sets it (use {_SWEPT[key]})", param_hint="--set")
 
 
 @click.command("race-window")
@@ -30,15 +50,16 @@ def _floats(text: str | None, name: str, positive: bool = False) -> tuple[float,
               help="TOML config (default: prefill on leaves 0-2, decode on leaf 3).")
 @click.option("--set", "sets", multiple=True, metavar="TABLE.KEY=VALUE", help="Override one config value (repeat).")
 @click.option("--delays", help="One-way control delays to sweep, us (default 1,10,...,1000000).")
-@click.option("--jitters", help="Jitters at a 20 us delay, us (default 100,1000,10000).")
-@click.option("--skews", help="Clock skews at a 20 us delay, us (default 10,100,1000,10000).")
-@click.option("--queues", help="In-band control: standing queue per congested hop, kB (default 100,1000,10000).")
+@click.option("--jitters", help="Jitters at a 20 us delay, us (default 100,1000,10000; empty: none).")
+@click.option("--skews", help="Clock skews at a 20 us delay, us (default 10,100,1000,10000; empty: none).")
+@click.option("--queues", help="In-band control: standing queue per congested hop, kB (default 100,1000,10000; "
+                               "empty: none).")
 @click.option("--schemes", default="ark,ark-split", show_default=True, help="ARK schemes to sweep.")
-@click.option("--qps", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True)
+@click.option("--qps", type=FiniteRange(min=0, min_open=True), default=25.0, show_default=True)
 @click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--seeds", default="3", show_default=True, help="Seed count N or a list like 0,4,7.")
 @click.option("--out", "out_dir", default="ark-race-window", show_default=True, help="Output folder.")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: CPU count).")
+@jobs_option()
 @click.option("--figures", "fig_dir", type=click.Path(file_okay=False), help="Write the figure here (default: --out).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | None, jitters: str | None, skews: str | None,
@@ -48,28 +69,32 @@ def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | No
     control plane, sweeping delay (1 us - 1 s), jitter, clock skew and in-band control."""
     from ark.cli import plots
     from ark.sim import racewindow as rw
+    from ark.sim.engine import ARK_SCHEMES
 
-    names = tuple(s.strip() for s in schemes.split(",") if s.strip())
-    bad = [s for s in names if s not in ("ark", "ark-balance", "ark-split")]
-    if bad or not names:
-        raise click.BadParameter(f"each must be one of ark, ark-balance, ark-split; got {schemes!r}", param_hint="--schemes")
-    sd = seeds_option(seeds) or (0, 1, 2)
-    cfg = apply_sets(rw.race_config(requests, sd, qps, base=load_config(config_path) if config_path else None), sets)
-    pts = rw.race_points(*(v if v is not None else d for v, d in (
-        (_floats(delays, "--delays", positive=True), rw.DELAYS_US), (_floats(jitters, "--jitters"), rw.JITTERS_US),
-        (_floats(skews, "--skews"), rw.SKEWS_US), (_floats(queues, "--queues"), rw.QUEUES_KB))))
+    names = tuple(dict.fromkeys(s.strip() for s in schemes.split(",") if s.strip()))
+    if not names or any(s not in ARK_SCHEMES for s in names):
+        raise click.BadParameter(f"each must be one of {', '.join(ARK_SCHEMES)}; got {schemes!r}", param_hint="--schemes")
+    for item in sets:
+        _check_set(item.partition("=")[0].strip())
+    base = apply_sets(load_config(config_path) if config_path else rw.race_config(), sets)
+    sd = seeds_option(seeds)
+    assert sd is not None  # --seeds has a default
+    cfg = rw.race_config(requests, sd, qps, base=base)
+    pts = rw.race_points(_sweep(delays, "--delays", rw.DELAYS_US), _sweep(jitters, "--jitters", rw.JITTERS_US),
+                         _sweep(skews, "--skews", rw.SKEWS_US), _sweep(queues, "--queues", rw.QUEUES_KB))
     with run_progress(len(cfg.seeds) * (1 + len(pts) * len(names)), disable=as_json) as tick:
         rows = rw.run_race_window(cfg, pts, names, jobs or jobs_default(), tick)
     od = Path(out_dir)
     od.mkdir(parents=True, exist_ok=True)
     halving = {s: rw.halving_delay(rows, s) for s in names}
-    (od / "race_window.json").write_text(json.dumps({"rows": rows, "halving_delay_us": halving}, indent=1) + "\n")
+    payload = json.dumps({"rows": rows, "halving_delay_us": halving}, indent=1)
+    (od / "race_window.json").write_text(payload + "\n")
     (od / "race_window.md").write_text(rw.markdown(rows, names, cfg))
     fd = Path(fig_dir or od)
     fd.mkdir(parents=True, exist_ok=True)
-    fig = plots.race_window(rows, names, fd)
+    fig = plots.race_window(rows, names, fd, rw.placement(cfg))
     if as_json:
-        click.echo(json.dumps({"rows": rows, "halving_delay_us": halving}, indent=1))
+        click.echo(payload)
         return
     t = Table(title="race window (races and moved flows per 1,000 flows)")
     for c in ("sweep", "delay us", "jitter us", "skew us", "queue kB", "scheme", "races", "moved", "mean FCT",
@@ -83,5 +108,5 @@ def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | No
                       f"{100 * r['fct_change']:+.1f}%", f"{100 * r['gain_vs_ecmp']:+.1f}%")
     out.print(t)
     for s, h in halving.items():
-        out.print(f"{s}: gain over ECMP halves at " + ("(beyond the sweep)" if h is None else f"{h / 1e3:,.1f} ms"))
+        out.print(f"{s}: gain over ECMP halves at " + ("(beyond the sweep, or no gain at zero delay)" if h is None else _delay(h)))
     out.print(f"wrote: {od / 'race_window.json'}, {od / 'race_window.md'}, {fig}")

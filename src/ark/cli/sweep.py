@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ark.cli.common import err, jobs_default, load_config, out
+from ark.cli.common import err, jobs_default, jobs_option, load_config, out
 
 
 @click.command()
@@ -16,7 +16,7 @@ from ark.cli.common import err, jobs_default, load_config, out
               help="TOML config; repeat for a grid over configs (default: the paper's setup, named 'default').")
 @click.option("--out", "out_dir", default="ark-sweep", show_default=True,
               help="Output folder: OUT/<config>/results.json|csv, and one file per finished run under OUT/runs/.")
-@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Local worker processes (default: CPU count).")
+@jobs_option("Local worker processes")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[ADDRESS]",
               help="Run on an existing Ray cluster (ADDRESS, or 'auto' when given bare) instead of local processes.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")

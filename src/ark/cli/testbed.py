@@ -191,12 +191,19 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
 
 
 def _fail_link(text: str) -> tuple[int, int, float]:
+    """``L:S@T``, parsed as the simulator's ``--fail-link``; a namespace link is up or down."""
+    from ark.sim.failure import FailureError, parse_link_change
+
     try:
-        link, at = text.split("@")
-        leaf, spine = link.split(":")
-        return int(leaf), int(spine), float(at)
-    except ValueError:
-        raise click.BadParameter(f"expected LEAF:SPINE@SECONDS, e.g. 0:1@3; got {text!r}", param_hint="--fail-link") from None
+        d = parse_link_change(text)
+    except FailureError as e:
+        raise click.BadParameter(str(e).removeprefix("--fail-link: "), param_hint="--fail-link") from None
+    if d["fraction"] != 0.0:
+        raise click.BadParameter(f"a testbed link goes down, it cannot degrade: expected LEAF:SPINE@SECONDS; "
+                                 f"got {text!r}", param_hint="--fail-link")
+    if not math.isfinite(d["at_s"]) or d["at_s"] < 0:
+        raise click.BadParameter(f"SECONDS must be a finite number >= 0; got {text!r}", param_hint="--fail-link")
+    return int(d["leaf"]), int(d["spine"]), float(d["at_s"])
 
 
 def _clean(obj: Any) -> Any:

@@ -203,10 +203,10 @@ def compute_buckets(
     lo, hi = port_range
     ports = np.arange(lo, hi + 1, dtype=np.int64)
     member = select_many(model.hash_ports(seed, s, d, dport, ports, proto), paths, selection, model.bits)
-    return _from_paths(hash_name, seed, selection, s, d, dport, ports, member, paths, proto)
+    return pathmap_from_paths(hash_name, seed, selection, s, d, dport, ports, member, paths, proto)
 
 
-def _from_paths(
+def pathmap_from_paths(
     hash_name: str, seed: int, selection: str, s: int, d: int, dport: int,
     ports: npt.NDArray[np.int64], path: npt.NDArray[np.int64], paths: int, proto: int,
 ) -> PathMap:
@@ -251,7 +251,7 @@ def fabric_pathmap(
     path = np.zeros(len(ports), dtype=np.int64)
     for hop in hops:
         path = path * hop.members + _hop_members(hop, path, s_ip, d_ip, dport, ports, proto)
-    return _from_paths(first.hash, first.seed, first.selection, s_ip, d_ip, dport, ports, path,
+    return pathmap_from_paths(first.hash, first.seed, first.selection, s_ip, d_ip, dport, ports, path,
                        fabric.n_paths(src, dst), proto)
 
 
@@ -407,7 +407,7 @@ class PortBuckets:
             self._cursor[path] = (c + 1) % len(bucket)
             self.in_use.add(port)
             return port
-        taken = self.try_take(path)
+        taken = self.try_take(path)  # scan on from the cursor
         if taken is None:
             n = len(self.map.buckets[path])
             if n == 0:

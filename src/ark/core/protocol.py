@@ -358,8 +358,8 @@ class ArkCore:
         else:
             inserted = self._table.insert(msg)
             entry = self._table.get(flow)
-            if inserted and entry is not None and entry.path == path and entry.held:
-                changes = self.flush()  # the common case: it holds the path it asked for
+            if inserted == [flow] and entry is not None and entry.path == path and entry.held:
+                changes = self.flush()  # the common case: it alone changed, and holds the path it asked for
             else:
                 changes = [*self.sync(inserted), *self.flush()]
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a

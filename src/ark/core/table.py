@@ -256,8 +256,12 @@ class ReservationTable:
         return self._holders.get(link) or set()
 
     def pair_sids(self, src: int, dst: int) -> tuple[int, ...]:
-        self.stage_list(src, dst)
-        return self._stages.pair_sids[(src, dst)]
+        """The stage ids of ``src`` -> ``dst`` (what :meth:`lowest_free` reads)."""
+        sids = self._stages.pair_sids.get((src, dst))
+        if sids is None:
+            self.stage_list(src, dst)
+            sids = self._stages.pair_sids[(src, dst)]
+        return sids
 
     def lowest_free(self, sids: tuple[int, ...], n: int, usable: int = -1) -> int | None:
         """The lowest path whose links at every stage ``sids`` are free (and ``usable``)."""
@@ -396,7 +400,7 @@ class ReservationTable:
 
     def insert(self, msg: Reserve) -> Changed:
         """Add an admissible RESERVE; the changed flows include ``msg.flow`` itself."""
-        entry = Entry(msg, None, None, False, msg.expires)
+        entry = Entry(msg, None, None, False, msg.expires)  # positional: the hottest constructor
         key = msg.key
         # The fast path is exact when the holders index equals "entries whose end is
         # after msg.ts": no larger key exists and nothing ended early after msg.ts.
@@ -833,9 +837,9 @@ class ReservationTable:
             by_path = self._stages.path_links.get(sids)
             if by_path is None:
                 by_path = self._stages.path_links[sids] = tuple(
-                    tuple(st[k] for st in stages) for k in range(len(stages[0]))) if stages else ()
-            self._path_links[(msg.src, msg.dst)] = by_path
-        return by_path[path] if by_path else ()  # a pair on one leaf: its one path holds no link
+                    tuple(st[k] for st in stages) for k in range(len(stages[0]))) if stages else ((),)
+            self._path_links[(msg.src, msg.dst)] = by_path  # a pair on one leaf: its one path holds no link
+        return by_path[path]
 
     def _hold(self, flow: FlowId, links: Sequence[int], entry: Entry | None = None) -> None:
         (entry or self._entries[flow]).held = True

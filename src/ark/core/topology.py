@@ -37,12 +37,14 @@ ROLES = ("prefill", "decode", "none")
 # Wire overhead counts preamble+SFD (8), Ethernet header (14), FCS (4), inter-frame gap (12).
 # RoCEv2 adds IPv4 (20) + UDP (8) + BTH (12) + ICRC (4); TCP adds IPv4 (20) + TCP with
 # timestamps (32) inside a 1500-byte MTU.
-TRANSPORTS: dict[str, float] = {
-    "rocev2-4096": 4096 / (4096 + 38 + 44),
-    "rocev2-1024": 1024 / (1024 + 38 + 44),
-    "tcp-1500": 1448 / (1500 + 38),
-    "ideal": 1.0,
+# Payload bytes per packet, and wire bytes per packet (0: no overhead).
+PACKET_BYTES: dict[str, tuple[int, int]] = {
+    "rocev2-4096": (4096, 4096 + 38 + 44),
+    "rocev2-1024": (1024, 1024 + 38 + 44),
+    "tcp-1500": (1448, 1500 + 38),
+    "ideal": (4096, 0),
 }
+TRANSPORTS: dict[str, float] = {t: payload / wire if wire else 1.0 for t, (payload, wire) in PACKET_BYTES.items()}
 
 
 class TopologyError(ValueError):

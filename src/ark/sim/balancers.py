@@ -39,14 +39,13 @@ import msgspec
 import numpy as np
 
 from ark.core.schema import NonNegative, Positive
-from ark.core.topology import Fabric
+from ark.core.topology import PACKET_BYTES, Fabric
 from ark.sim.maxmin import FairShares
 from ark.sim.transfer import MAX_PARTS, Transfer
 
 Unit = Annotated[float, msgspec.Meta(gt=0, le=1)]
-# Payload bytes per packet of each transport (the window of DCTCP's steady state counts packets).
-PACKET_PAYLOAD = {"rocev2-4096": 4096, "rocev2-1024": 1024, "tcp-1500": 1448, "ideal": 4096}
 BALANCED = ("plb", "letflow", "conga", "hedera")
+TWO_TIER_ONLY = ("conga",)  # leaf-local schemes: their model knows one tier of uplinks
 
 
 class PlbParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -136,6 +135,7 @@ class Balancer:
     def __init__(self, sim: Fluid) -> None:
         self.sim = sim
         self.moves = 0
+        self.rehashes = 0  # PLB's; 0 for every other scheme
 
     def first(self, src: int, dst: int, nbytes: int) -> int | None:
         """A new flow's first path (None: the switch hash of its random port)."""
@@ -201,9 +201,8 @@ class Plb(Balancer):
         self.p = p
         self.round_s = p.rtt_us * 1e-6
         self.step_s = p.resolution_us * 1e-6
-        self.pkt = PACKET_PAYLOAD[sim.fabric.transport]
+        self.pkt = PACKET_BYTES[sim.fabric.transport][0]  # DCTCP's steady-state window counts packets
         self.tx_links = frozenset(sim.fabric.tx_link(h) for h in range(sim.fabric.n_hosts))
-        self.rehashes = 0
 
     def started(self, t: Transfer) -> None:
         t.lb = _PlbFlow(self.sim.now)
@@ -527,7 +526,7 @@ class OraclePath(Balancer):
     flow already there, as many bytes as it has or as the new flow has, whichever is less).
     What a single-path placement with perfect information reaches."""
 
-    def first(self, src: int, dst: int, nbytes: int) -> int | None:
+    def first(self, src: int, dst: int, nbytes: int) -> int:
         sim = self.sim
         group = sim.group(src, dst)
         if len(group) == 1:
@@ -536,7 +535,7 @@ class OraclePath(Balancer):
         stages = sim.fabric.stages(src, dst)
         mine = {st[k]: k for st in stages for k in group}
         for t in sim.transfers():
-            left = max(0.0, t.remaining - t.rate * (now - t.t_upd)) + t.chunks_left * t.chunk_bytes
+            left = t.left(now)
             # Charge a flow once per path of ours it shares a reservable link with.
             for k in {mine[lk] for lk in t.subs[0].links if lk in mine}:
                 ahead[k] += min(left, float(nbytes))
@@ -544,9 +543,7 @@ class OraclePath(Balancer):
 
     def link_down(self, t: Transfer, crossed: bool) -> bool:
         if crossed:  # placed again by the same rule, for the bytes it has left
-            left = max(0.0, t.remaining - t.rate * (self.sim.now - t.t_upd)) + t.chunks_left * t.chunk_bytes
-            path = self.first(t.res.src, t.res.dst, int(left))
-            self._move(t, path if path is not None else t.subs[0].path, t.subs[0].port)
+            self._move(t, self.first(t.res.src, t.res.dst, int(t.left(self.sim.now))), t.subs[0].port)
         return True
 
 

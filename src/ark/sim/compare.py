@@ -14,12 +14,15 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ark.sim.balancers import TWO_TIER_ONLY
 from ark.sim.config import ExperimentConfig
+from ark.sim.engine import ARK_SCHEMES
 from ark.sim.experiment import (
     EXTRA_KEYS,
     PHASES,
@@ -33,7 +36,6 @@ from ark.sim.experiment import (
 
 COMPARED = ("ecmp", "plb", "letflow", "conga", "hedera", "ecmp-split", "ark", "ark-balance", "ark-split",
             "oracle-path", "spray")
-ARK_POLICIES = ("ark", "ark-balance", "ark-split")
 IDEAL = "spray"  # the bound: not something a host-side operator can deploy on a RoCE fabric
 BOUNDS = (IDEAL, "oracle-path")  # measured for reference, never recommended
 NEAR = 0.05  # within 5% of the best deployable scheme counts as as good
@@ -49,10 +51,26 @@ class Comparison:
     def records(self) -> list[dict[str, Any]]:
         return self.sweep.records
 
+    @cached_property
+    def summary(self) -> list[dict[str, Any]]:
+        """:func:`fct_table` of the records."""
+        return fct_table(self.records)
+
+    @cached_property
+    def decisions(self) -> list[dict[str, Any]]:
+        return decisions(self.summary)
+
+    @cached_property
+    def failure(self) -> list[dict[str, Any]]:
+        """:func:`failure_table` of the records."""
+        return failure_table(self.records)
+
 
 def compare_config(cfg: ExperimentConfig, schemes: Sequence[str] | None = None) -> ExperimentConfig:
-    """The experiment with the compared schemes (all of :data:`COMPARED` unless given)."""
-    return cfg.with_overrides(schemes=tuple(schemes or COMPARED))
+    """The experiment with the compared schemes (unless given, all of :data:`COMPARED` the
+    fabric can run: the leaf-local ones only on 2 tiers)."""
+    runnable = tuple(s for s in COMPARED if not (cfg.fabric.three_tier and s in TWO_TIER_ONLY))
+    return cfg.with_overrides(schemes=tuple(schemes or runnable))
 
 
 def run_compare(cfg: ExperimentConfig, jobs: int = 1, progress: Callable[[RunSpec], None] | None = None) -> Comparison:
@@ -91,8 +109,8 @@ def decisions(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if not at:
             continue
         best = at[0]
-        ark = [r for r in at if r["scheme"] in ARK_POLICIES]
-        other = [r for r in at if r["scheme"] not in ARK_POLICIES]
+        ark = [r for r in at if r["scheme"] in ARK_SCHEMES]
+        other = [r for r in at if r["scheme"] not in ARK_SCHEMES]
         out.append({
             "qps": q,
             "best": best["scheme"],
@@ -155,11 +173,10 @@ def write_compare(out_dir: str | Path, comp: Comparison) -> list[Path]:
     the derived tables) and results.md."""
     out = Path(out_dir)
     paths = write_results(out, comp.sweep, comp.cfg)
-    rows = fct_table(comp.records)
     full = [{k: r[k] for k in (*RECORD_KEYS, *EXTRA_KEYS, *_phase_keys(r))} for r in comp.records]
     p = out / "compare.json"
-    p.write_text(json.dumps({"records": full, "summary": rows, "decisions": decisions(rows),
-                             "failure": failure_table(comp.records)}, indent=1) + "\n")
+    p.write_text(json.dumps({"records": full, "summary": comp.summary, "decisions": comp.decisions,
+                             "failure": comp.failure}, indent=1) + "\n")
     md = out / "results.md"
     md.write_text(markdown(comp))
     return [*paths, p, md]
@@ -175,7 +192,7 @@ def _ms(x: float) -> str:
 
 def markdown(comp: Comparison) -> str:
     """The one-page summary: FCT per scheme and load, the decision table, the link change."""
-    cfg, rows = comp.cfg, fct_table(comp.records)
+    cfg, rows = comp.cfg, comp.summary
     schemes = list(dict.fromkeys(r["scheme"] for r in comp.records))
     qs = sorted({r["qps"] for r in rows})
     cell = {(r["qps"], r["scheme"]): r for r in rows}
@@ -196,7 +213,7 @@ def markdown(comp: Comparison) -> str:
               f"{NEAR:.0%} of it, and the best ARK policy and best other scheme against the bound.", "",
               "| QPS | best | as good (within 5%) | best ARK policy | x spray | vs ECMP | best other | x spray |",
               "|---|---|---|---|---|---|---|---|"]
-    for d in decisions(rows):
+    for d in comp.decisions:
         lines.append(f"| {d['qps']:g} | {d['best']} ({_ms(d['best_fct_s'])} ms) | {', '.join(d['as_good'])} | "
                      f"{d['best_ark'] or '—'} | {d['best_ark_x_spray']:.2f} | {100 * d['best_ark_vs_ecmp']:+.1f}% | "
                      f"{d['best_other'] or '—'} | {d['best_other_x_spray']:.2f} |")
@@ -210,7 +227,7 @@ def _fabric_label(cfg: ExperimentConfig) -> str:
 
 
 def _failure_lines(comp: Comparison) -> list[str]:
-    ch, table = comp.cfg.failure, failure_table(comp.records)
+    ch, table = comp.cfg.failure, comp.failure
     if ch is None or not table:
         return []
     lines = ["", f"## Link change: {ch.label()}", "",
@@ -220,7 +237,7 @@ def _failure_lines(comp: Comparison) -> list[str]:
              "| mismatches after rebuild |", "|---|---|---|---|---|---|---|---|"]
     order = {s: i for i, s in enumerate(dict.fromkeys(r["scheme"] for r in comp.records))}
     for r in sorted(table, key=lambda r: (r["qps"], order[r["scheme"]])):
-        ark = r["scheme"] in ARK_POLICIES
+        ark = r["scheme"] in ARK_SCHEMES
         lines.append(f"| {r['qps']:g} | {r['scheme']} | {_ms(r['fct_before_s'])} | {_ms(r['fct_during_s'])} | "
                      f"{_ms(r['fct_after_s'])} | {r['stale'] if ark else '—'} | "
                      f"{r['rebuild_repathed'] if ark else '—'} | {r['mismatches_after_rebuild'] if ark else '—'} |")

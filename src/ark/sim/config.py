@@ -30,7 +30,7 @@ import msgspec
 from ark.core.fabric_config import FabricConfig
 from ark.core.pathmap import ROCE_PORT_RANGE, PathMapError, check_port_range, parse_port_range
 from ark.core.schema import ConfigError, Count, NonNegative, Port, Positive, convert, one_of
-from ark.sim.balancers import SchemeParams
+from ark.sim.balancers import TWO_TIER_ONLY, SchemeParams
 from ark.sim.engine import REPRODUCED, SCHEMES
 from ark.sim.failure import FailureError, LinkChange
 from ark.sim.serving import GPUS, AffineLatency, Serving, latency_model
@@ -154,6 +154,10 @@ class ExperimentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     failure: LinkChange | None = None
 
     def __post_init__(self) -> None:
+        flat = [s for s in self.schemes if s in TWO_TIER_ONLY]
+        if flat and self.fabric.three_tier:
+            raise ValueError(f"experiment.schemes: {', '.join(flat)} needs a 2-tier spine-leaf fabric; this one is "
+                             "3-tier (leave it out of the list)")
         if self.failure is not None:
             try:
                 self.failure.check(self.fabric.build())

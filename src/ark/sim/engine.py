@@ -60,7 +60,7 @@ from ark.core.flows import FlowSpec
 from ark.core.messages import FlowId, Message, Release
 from ark.core.pathmap import ROCE_PORT_RANGE, PathMap, PathMapCache, switch_path
 from ark.core.protocol import ArkCore, Decision, Repath
-from ark.core.table import ReservationTable
+from ark.core.table import POLICIES, ReservationTable
 from ark.core.topology import Fabric
 from ark.sim.balancers import Balancer, SchemeParams, make_balancer
 from ark.sim.failure import FailedRoutes, LinkChange, RebuiltMaps
@@ -75,7 +75,7 @@ __all__ = [
 SCHEMES = ("ecmp", "ark", "ark-balance", "spray", "plb", "letflow", "conga", "hedera", "ark-split", "ecmp-split",
            "oracle-path")
 REPRODUCED = ("ecmp", "ark", "ark-balance", "spray")  # what an experiment runs unless told otherwise
-ARK_SCHEMES = ("ark", "ark-balance", "ark-split")
+ARK_SCHEMES = POLICIES  # the schemes an ArkCore runs: its policies
 SPLIT_SCHEMES = ("ark-split", "ecmp-split")
 
 _START, _DELIVER, _TIMER, _RESUME, _LB, _CHANGE, _REBUILD = range(7)
@@ -281,7 +281,7 @@ class FluidSim:
             self.scheme, [self._results[f.id] for f in flows], sum(c.counters.races_lost for c in self.cores),
             self._fallbacks, self._mismatches, self._spine_max, self._events, self._timeline, self._messages,
             list(self._sent_by_host), race_moved=len(self._race_moved), moves=lb.moves if lb else 0,
-            rehashes=getattr(lb, "rehashes", 0), stale=self._stale, rebuild_repathed=self._rebuild_repathed,
+            rehashes=lb.rehashes if lb else 0, stale=self._stale, rebuild_repathed=self._rebuild_repathed,
             mismatches_after_rebuild=self._after_rebuild,
             control_delay_mean_s=self._ctl_sum / self._ctl_n if self._ctl_n else self.delay,
             control_delay_max_s=self._ctl_max if self._ctl_n else self.delay,
@@ -491,8 +491,7 @@ class FluidSim:
         elif self.scheme in ARK_SCHEMES:
             port, path, core_flow = self._reserve(f, res)
         else:
-            lo, hi = self.port_range
-            port = int(self.rng.integers(lo, hi + 1))
+            port = self.random_port(self.rng)
             path = self._switch(f.src, f.dst, port)
         res.path, res.port = path, port
         links, spines = self._links(f.src, f.dst, max(path, 0))
@@ -724,7 +723,7 @@ class FluidSim:
         del self._by_core_flow[flow]
         self._broadcast(core.host, rel.messages)
         self._apply_repaths(rel.events)
-        left = max(0.0, t.remaining - t.rate * (self._now - t.t_upd)) + t.chunks_left * t.chunk_bytes
+        left = t.left(self._now)
         # The transfer's other parts keep their paths: stay off them while others are free,
         # as request_split does.
         avoid = 0

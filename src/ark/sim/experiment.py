@@ -215,7 +215,9 @@ def run_tasks(
                 outs[futs[fut]] = fut.result()
                 if progress is not None:
                     progress(tasks[futs[fut]][1])
-    return [o for o in outs if o is not None]
+    done = [o for o in outs if o is not None]
+    assert len(done) == len(tasks)  # every task has its output
+    return done
 
 
 FlowKey = tuple[str, float, int]  # (scheme, qps, seed)

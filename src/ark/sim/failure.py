@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from ark.core.hashing import hash_model, select, select_many
-from ark.core.pathmap import PathMap
+from ark.core.pathmap import PathMap, pathmap_from_paths
 from ark.core.protocol import PathMaps
 from ark.core.schema import NonNegative, Positive
 from ark.core.topology import Fabric
@@ -129,9 +129,8 @@ class FailedRoutes:
         member = select_many(model.hash_ports(sw.seed, s_ip, d_ip, dport, ports, proto), len(group),
                              sw.selection, model.bits)
         path = group[member] if fab.n_paths(src, dst) > 1 else np.zeros(len(ports), dtype=np.int64)
-        buckets = tuple(ports[path == k] for k in range(fab.n_paths(src, dst)))
-        return PathMap(sw.hash, sw.seed, sw.selection, fab.hosts[src].ip, fab.hosts[dst].ip, dport, port_range,
-                       buckets, proto)
+        return pathmap_from_paths(sw.hash, sw.seed, sw.selection, s_ip, d_ip, dport, ports, path,
+                                  fab.n_paths(src, dst), proto)
 
 
 class RebuiltMaps:

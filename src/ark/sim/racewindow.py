@@ -124,8 +124,10 @@ def _rows(groups: dict[tuple[RacePoint | None, str], list[dict[str, Any]]], sche
 def halving_delay(rows: Sequence[dict[str, Any]], scheme: str) -> float | None:
     """The one-way delay (us) at which ``scheme``'s gain over ECMP is half its zero-delay
     gain, interpolated in log(delay) between the two sweep points around it; None when the
-    gain stays above half over the whole sweep."""
+    gain stays above half over the whole sweep, or when there is no gain to halve."""
     ref = next(r for r in rows if r["scheme"] == scheme and r["sweep"] == "reference")
+    if not ref["gain_vs_ecmp"] > 0:
+        return None
     half = ref["gain_vs_ecmp"] / 2
     pts = sorted((r["delay_us"], r["gain_vs_ecmp"]) for r in rows if r["scheme"] == scheme and r["sweep"] == "delay")
     prev: tuple[float, float] | None = None
@@ -140,11 +142,23 @@ def halving_delay(rows: Sequence[dict[str, Any]], scheme: str) -> float | None:
     return None
 
 
+def placement(cfg: ExperimentConfig) -> str:
+    """Where the sweep's prefill and decode GPUs sit, in words."""
+    fab = cfg.fabric.build()
+
+    def where(role: str) -> str:
+        hosts = fab.role_hosts(role)
+        leaves = sorted({fab.leaf_of(h) for h in hosts})
+        return f"{len(hosts)} {role} GPUs on {'leaves' if len(leaves) > 1 else 'leaf'} {', '.join(map(str, leaves))}"
+
+    return f"{where('prefill')}; {where('decode')}"
+
+
 def markdown(rows: Sequence[dict[str, Any]], schemes: Sequence[str], cfg: ExperimentConfig) -> str:
     """The race-window table, one section per sweep, and each scheme's halving delay."""
     ecmp = next(r for r in rows if r["scheme"] == "ecmp")["fct_mean_s"]
     lines = ["# Race window", "",
-             f"Prefill GPUs on leaves 0-2 (24 hosts), decode GPUs on leaf 3, QPS {cfg.workload.qps_list[0]:g}, "
+             f"{placement(cfg)}; QPS {cfg.workload.qps_list[0]:g}, "
              f"{cfg.workload.requests} requests per run, seeds {', '.join(map(str, cfg.seeds))}; ECMP mean FCT "
              f"{ecmp * 1e3:.0f} ms. Races and moved flows per 1,000 flows; FCT change against a zero-delay "
              "control plane; gain = ARK's mean-FCT reduction against ECMP.", "",

@@ -6,7 +6,7 @@ the transfer's bytes drain at the sum of their rates, so its sub-flows all finis
 together (an engine that hands each connection its next slice when that connection has
 room). Single-path schemes have one sub-flow.
 
-A transfer may be sent in chunks (one per model layer, :mod:`ark.sim.serving`): after a
+A transfer may be sent in chunks (one per model layer: ``[serving] kv_transfer``, :class:`ark.sim.config.ServingConfig`): after a
 chunk the transfer is idle for the inter-chunk gap, holds no bandwidth, and keeps its
 sub-flows, paths and reservations for the next chunk.
 """
@@ -51,7 +51,7 @@ class Transfer:
         self.subs = subs
         self.chunk_bytes = float(res.nbytes) / chunks
         self.chunks_left = chunks - 1
-        self.remaining = float(res.nbytes) if chunks == 1 else self.chunk_bytes  # bytes left at t_upd
+        self.remaining = self.chunk_bytes  # bytes of the current chunk left at t_upd
         self.t_upd = res.start_s
         self.rate = 0.0  # sum of the sub-flows' rates
         self.version = 0  # bumps at every rate change: older completion entries are stale
@@ -61,6 +61,10 @@ class Transfer:
     @property
     def id(self) -> int:
         return self.res.id
+
+    def left(self, now: float) -> float:
+        """Bytes still to send at ``now``: the current chunk's and every later chunk's."""
+        return max(0.0, self.remaining - self.rate * (now - self.t_upd)) + self.chunks_left * self.chunk_bytes
 
 
 def top_switches(subs: list[SubFlow]) -> tuple[int, ...]:
