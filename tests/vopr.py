@@ -4,9 +4,13 @@ One seed fixes everything: the fault mix (loss, duplication, delay and reorderin
 partitions, crashes and restarts, clock skew), the workload, and whether dissemination is
 scoped: about half the seeds declare which hosts send to which (some hosts send to none),
 and every node then hears only the senders of its component and reserves only within its
-links (``ark.core.scope``), as agents with ``scope = "declared"`` do. Invariants are checked
-after every step; a violation raises :class:`Violation` naming the seed, and
-``python -m tests.vopr SEED`` reruns it.
+links (``ark.core.scope``), as agents with ``scope = "declared"`` do. About a quarter of the
+unscoped seeds make one host *Byzantine*: a listed peer that runs a correct node but lies
+in what it sends (frozen-assignment claims about others' flows in its snapshots, captured
+signed messages of other hosts relayed again, a clock that reads differently to different
+peers); it starts no flows, and the invariants below are checked on the honest hosts only.
+Invariants are checked after every step; a violation raises :class:`Violation` naming the
+seed, and ``python -m tests.vopr SEED`` reruns it.
 
 Invariants:
 
@@ -25,14 +29,17 @@ from __future__ import annotations
 import heapq
 import random
 import sys
+from collections import deque
 from dataclasses import dataclass, field
 
+from ark.core.envelope import K_DATA, K_SYNC_REP
 from ark.core.lease import LeasePolicy
 from ark.core.messages import FlowId
 from ark.core.node import K_HELLO, Node, NodeLimits, NotReady, Output, Publish, decode_envelope
 from ark.core.pathmap import PathMapCache
 from ark.core.scope import Scope, scope_of
 from ark.core.topology import spine_leaf
+from tests.liars import add_to_sync_reply, shift_clock, sign, verify
 
 FABRIC = spine_leaf(leaves=3, spines=3, gpus_per_leaf=2, hash="crc32")
 MAPS = PathMapCache(FABRIC)
@@ -45,6 +52,38 @@ CLOCK_BOUND = 0.1  # max_clock_offset_s: a host further off stops reserving
 
 class Violation(AssertionError):
     pass
+
+
+class Liar:
+    """What a Byzantine host does to the envelopes it sends (its node stays correct)."""
+
+    def __init__(self, host: int, rng: random.Random) -> None:
+        self.host, self.rng = host, rng
+        # The clock it shows each peer: its own, or one off by up to a few seconds.
+        self.shift = {d: rng.choice([0.0, 0.0, 0.5, -0.5, 3.0]) for d in range(N) if d != host}
+        self.captured: deque[list[bytes]] = deque(maxlen=64)  # others' signed messages it saw
+
+    def overhear(self, data: bytes) -> None:
+        env = decode_envelope(data)
+        if env.kind == K_DATA:
+            self.captured.append(list(env.payload))
+
+    def rewrite(self, node: Node, dst: int, data: bytes) -> bytes:
+        kind = decode_envelope(data).kind
+        if kind == K_HELLO:
+            return shift_clock(data, self.shift[dst])
+        if kind == K_SYNC_REP:
+            return add_to_sync_reply(data, self._replays(), self._claims(node))
+        return data
+
+    def _replays(self) -> list[list[bytes]]:
+        k = min(len(self.captured), self.rng.randint(0, 3))
+        return self.rng.sample(list(self.captured), k)
+
+    def _claims(self, node: Node) -> list[list[int | bool]]:
+        others = sorted(f for f in node.core.table() if f[0] != self.host)
+        picked = self.rng.sample(others, min(len(others), self.rng.randint(1, 3)))
+        return [[f[0], f[1], self.rng.randrange(-1, 3), self.rng.random() < 0.2] for f in picked]
 
 
 @dataclass
@@ -99,6 +138,8 @@ class Sim:
         self.faults = Faults.draw(self.rng)
         # Drawn from a generator of its own, so an unscoped seed runs as it always has.
         self.scope, self.sends_to = _draw_scope(random.Random(f"scope-{self.seed}"))
+        brng = random.Random(f"byzantine-{self.seed}")
+        self.liar = Liar(brng.randrange(N), brng) if self.scope is None and brng.random() < 0.25 else None
         self.skew = [self.rng.uniform(-self.faults.skew, self.faults.skew) for _ in range(N)]
         self.skew[self.rng.randrange(N)] += self.faults.outlier
         self.incarnation = [1] * N
@@ -132,7 +173,11 @@ class Sim:
             heartbeat_s=0.1, peer_timeout_s=0.5, sync_timeout_s=0.3, retention_s=5.0,
             expiry_grace_s=GRACE, limits=NodeLimits(max_clock_offset_s=CLOCK_BOUND),
             scope_links=None if self.scope is None else self.scope.links(i),
+            signer=lambda raw: sign(i, raw), verifier=verify,
         )
+
+    def honest(self, i: int) -> bool:
+        return self.liar is None or i != self.liar.host
 
     def _push(self, at: float, kind: str, data: tuple) -> None:
         heapq.heappush(self.heap, (at, self.seq, kind, data))
@@ -146,9 +191,14 @@ class Sim:
             for d in dests:
                 if (src, d) in self.blocked or self.rng.random() < f.loss:
                     continue
+                data = o.data
+                if not self.honest(src):
+                    node = self.nodes[src]
+                    assert self.liar is not None and node is not None
+                    data = self.liar.rewrite(node, d, data)
                 for _ in range(2 if self.rng.random() < f.dup else 1):
                     at = self.t + f.delay + self.rng.random() * f.jitter
-                    self._push(at, "msg", (src, d, chan, o.data))
+                    self._push(at, "msg", (src, d, chan, data))
 
     def fail(self, what: str) -> None:
         raise Violation(f"seed {self.seed}, step {self.steps}, t={self.t:.4f}: {what}  "
@@ -165,6 +215,9 @@ class Sim:
                 if node is None or (src, d) in self.blocked:
                     continue
                 now = self.local(d)
+                if not self.honest(d) and chan == "pub":
+                    assert self.liar is not None
+                    self.liar.overhear(raw)
                 outs = node.on_publish(src, raw, now) if chan == "pub" else node.on_request(src, raw, now)
                 self._emit(d, outs)
                 if self.rng.random() < 0.5:  # the agent flushes after a batch of messages
@@ -230,7 +283,7 @@ class Sim:
             src = self.rng.choice(sorted(self.sends_to))
             dsts = self.sends_to[src]
         node = self.nodes[src]
-        if node is None:
+        if node is None or not self.honest(src):
             return
         dst = self.rng.choice(dsts)
         nbytes = self.rng.choice([10**6, 10**8, 10**9])
@@ -296,7 +349,7 @@ class Sim:
     def check_host(self, i: int) -> None:
         """After every event, on the replica it changed."""
         node = self.nodes[i]
-        if node is not None:
+        if node is not None and self.honest(i):
             bad = node.core.exclusive_conflicts(at=self.local(i))
             if bad:
                 self.fail(f"host {i} has links held by two winners: {bad}")
@@ -343,7 +396,7 @@ class Sim:
         self.faults = saved
 
     def check_quiet(self) -> None:
-        nodes = [n for n in self.nodes if n is not None]
+        nodes = [n for n in self.nodes if n is not None and self.honest(n.host)]
         at = self.t
         for group in self.components():
             members = [n for n in nodes if n.host in group]
@@ -423,6 +476,7 @@ def main(argv: list[str]) -> int:
     for s in seeds:
         sim = run(s)
         scope = "full" if sim.scope is None else f"scoped {sim.sends_to}"
+        scope += "" if sim.liar is None else f", host {sim.liar.host} Byzantine"
         print(f"seed {s}: ok ({sim.steps} steps, faults {sim.faults}, {scope})")
     return 0
 

@@ -62,12 +62,75 @@ def test_gapped_sequence_numbers_keep_at_most_max_ahead() -> None:
 
 
 def test_reservations_per_owner_are_capped() -> None:
-    n = node(core_limits=CoreLimits(max_flows_per_host=100))
-    for k in range(300):
+    limits = CoreLimits(max_flows_per_host=100)
+    assert limits.retained_per_host == 400  # RETAINED_PER_LIVE x the live cap
+    n = node(core_limits=limits)
+    for k in range(1000):
         m = Reserve((0, k + 1), 10.0, 0, 9, 4791, k % 4, 49152 + k, 10**6, 1e11, False, 11.0)
         n.on_message(0, data(0, k + 1, m), 10.0)
     n.flush()
-    assert sum(1 for f in n.core.entries() if f[0] == 0) == 100 and n.core.counters.overflow == 200
+    assert sum(1 for f in n.core.entries() if f[0] == 0) == 400 and n.core.counters.overflow == 600
+    assert len(n._sigs) <= 400  # no signature kept for a reservation the core dropped
+
+
+def test_a_peer_reserving_and_releasing_fast_stays_within_the_retained_bound() -> None:
+    """Released reservations no longer count against the live cap, but what a replica
+    retains of one owner (live and ended, until forgotten) stays bounded: a peer sending
+    reserve+release pairs far faster than any engine, stamped up to the window ahead so
+    that they are kept as long as possible, never grows it past retained_per_host."""
+    limits = CoreLimits(max_flows_per_host=64)
+    bound = limits.retained_per_host
+    n = node(core_limits=limits)
+    seq, flows, peak = 0, 0, 0
+    for step in range(120):  # 12 s, ticking every 0.1 s: every reservation is forgotten at least once
+        now = 10.0 + step * 0.1
+        for k in range(400):  # 4,000 pairs a second
+            flows += 1
+            ts = now + (4.9 if k % 2 else 0.0)  # half of them dated at the window's far end
+            m = Reserve((0, flows), ts, 0, 9, 4791, k % 4, 49152 + k, 10**6, 1e11, False, ts + 1.0)
+            for msg in (m, Release(m.flow, ts)):
+                seq += 1
+                n.on_message(0, data(0, seq, msg), now)
+        n.flush()
+        n.tick(now)
+        peak = max(peak, n.core.reservations.owner_count(0))
+        assert n.core.reservations.owner_count(0) <= bound
+        # Signatures: of what the core keeps (reservations, early releases of the ones it
+        # dropped), and of what it forgot since the last pruning (every retention / 2).
+        assert len(n._sigs) <= 2 * (bound + limits.max_early_per_host)
+    assert peak == bound and n.core.counters.overflow > 0
+    # An honest host's reservation still gets in: the bound is per owner.
+    lease, outs = node(1).reserve(9, 10**6, now)
+    n.on_message(1, outs[0].data, now)
+    n.flush()
+    assert lease.flow_id in n.core.table()
+
+
+def test_a_retained_reservation_costs_a_replica_under_3_kb() -> None:
+    """What the retained bound means in memory: each reservation a peer can make a replica
+    keep, with its release and both signatures kept for relaying, costs under 3 KB (the
+    threat model's figure for max_retained_per_host of them)."""
+    import gc
+    import tracemalloc
+
+    limits = CoreLimits(max_flows_per_host=256)
+    n = node(core_limits=limits)
+    MAPS(8, 0, 4791)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for k in range(limits.retained_per_host):
+            m = Reserve((0, k + 1), 14.9, 0, 9, 4791, k % 4, 49152 + k, 10**6, 1e11, False, 15.9)
+            n.on_message(0, encode_envelope(K_DATA, 0, 1, 2 * k + 1, [encode(m), b"s" * 64]), 10.0)
+            n.on_message(0, encode_envelope(K_DATA, 0, 1, 2 * k + 2, [encode(Release(m.flow, 14.9)), b"s" * 64]), 10.0)
+        n.flush()
+        n.core.state_digest(0.0)
+        gc.collect()
+        used, _peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert n.core.reservations.owner_count(0) == limits.retained_per_host
+    assert used / limits.retained_per_host < 3000
 
 
 def test_destination_ports_are_capped_and_idle_ones_dropped() -> None:
@@ -82,12 +145,22 @@ def test_destination_ports_are_capped_and_idle_ones_dropped() -> None:
     assert len(leases) == 4
 
 
-def test_local_flows_are_capped() -> None:
+def test_local_flows_are_capped_and_beyond_the_cap_a_lease_is_plain_ecmp_kept_nowhere() -> None:
     n = node(limits=NodeLimits(max_local_flows=50))
     for _ in range(50):
         n.reserve(0, 10**6, 10.0)
-    with pytest.raises(CoreError, match="^flows: 50 local flows are live"):
-        n.reserve(0, 10**6, 10.0)
+    extra = [n.reserve(0, 10**6, 10.0) for _ in range(1000)]
+    assert len(n.local_flows()) == 50 and n.counters.untracked == 1000  # nothing more kept
+    lease, outs = extra[0]
+    assert outs == [] and not lease.reserved and lease.fallback == "cap: 50 live local flows"
+    assert MAPS(8, 0, 4791).path_of(lease.src_port) == lease.path
+    # Renew, lease and release answer from the id alone; a made-up id is still refused.
+    assert n.renew(lease.flow_id, 11.0)[0] == lease._replace(expires=11.0 + 600.0)
+    assert n.lease_of(lease.flow_id, 12.0).src_port == lease.src_port and n.more_ports(lease.flow_id, 4) == []
+    assert n.release(lease.flow_id, 12.0) == [] and len(n.local_flows()) == 50
+    for bad in ((8, 1 << 62 | 8 << 32 | 4791 << 16 | 50000), (0, lease.flow_id[1]), (8, 12345)):
+        with pytest.raises(CoreError, match="not an active local flow"):
+            n.release(bad, 12.0)
 
 
 def test_old_reservations_in_a_batch_cost_one_recomputation() -> None:

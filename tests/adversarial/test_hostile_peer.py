@@ -85,6 +85,17 @@ def _x_router(ctx: zmq.Context, b: Bed) -> zmq.Socket:
     raise AssertionError("cannot bind X's control address")
 
 
+def _asked_for_a_snapshot(inbox: zmq.Socket, dealer: zmq.Socket, xi: int, incarnation: int) -> None:
+    """X makes first contact with the target, which then asks X for a snapshot."""
+    now = time.time()
+    dealer.send(encode_envelope(K_HELLO, xi, incarnation, 0, [b"\0" * 8, now - 2.5, now - 1.0, now, []]))
+    assert inbox.poll(5000)
+    frames = inbox.recv_multipart()
+    while decode_envelope(frames[-1]).kind != K_SYNC_REQ:
+        assert inbox.poll(5000)
+        frames = inbox.recv_multipart()
+
+
 def test_a_sync_reply_cannot_plant_reservations_in_another_hosts_name(trio: Bed) -> None:
     """X answers the target's sync request with reservations in the target's own name and
     in X's name: only X's own, properly signed and within the lease cap, are taken."""
@@ -98,14 +109,7 @@ def test_a_sync_reply_cannot_plant_reservations_in_another_hosts_name(trio: Bed)
     try:
         inbox, dealer = _x_router(ctx, b), b.as_x(ctx, target)
         time.sleep(0.5)
-        now = time.time()
-        # First contact from X: the target asks X for a snapshot.
-        dealer.send(encode_envelope(K_HELLO, xi, 41, 0, [b"\0" * 8, now - 2.5, now - 1.0, now, []]))
-        assert inbox.poll(5000)
-        frames = inbox.recv_multipart()
-        while decode_envelope(frames[-1]).kind != K_SYNC_REQ:
-            assert inbox.poll(5000)
-            frames = inbox.recv_multipart()
+        _asked_for_a_snapshot(inbox, dealer, xi, 41)
         now = time.time()
         mine = Reserve((xi, (41 << 32) + 1), now, xi, dst, 4791, 0, 49152, 10**9, 1e11, False, now + 2.0)
         in_targets_name = Reserve((t_idx, 7), now, t_idx, dst, 4791, 1, 49153, 10**9, 1e11, False, now + 2.0)
@@ -124,6 +128,41 @@ def test_a_sync_reply_cannot_plant_reservations_in_another_hosts_name(trio: Bed)
         assert (t_idx, 7) not in flows and (t_idx, 8) not in flows and forever.flow not in flows
         assert st["node"]["forged"] >= 2 and st["node"]["out_of_window"] >= 1
         dealer.send(encode_envelope(K_DATA, xi, 41, 1, [encode(Release(mine.flow, time.time())), b""]))
+    finally:
+        ctx.destroy(0)
+
+
+def test_a_frozen_assignment_lie_moves_no_live_reservation(trio: Bed) -> None:
+    """X, a listed host, answers the target's sync request with a frozen assignment for
+    another host's live flow (on another path, or on none): the target keeps the path its
+    own recomputation gives, counts the claim and logs it."""
+    b = trio
+    fab = b.cluster.fabric
+    leaf = {h.name: fab.hosts[h.index].leaf for h in b.cluster.hosts}
+    target = b.running[0]
+    owner = next(n for n in b.running[1:] if leaf[n] == leaf[target])  # a leaf-mate: same uplinks
+    dst = next(h.index for h in b.cluster.hosts if leaf[h.name] != leaf[target])
+    xi = b.cluster.host(b.x).index
+    with ArkClient(b.procs.api(owner)) as c:
+        lease = c.reserve(dst, 10**10)
+    assert lease.reserved
+    ctx = zmq.Context()
+    try:
+        inbox, dealer = _x_router(ctx, b), b.as_x(ctx, target)
+        time.sleep(0.5)
+        _asked_for_a_snapshot(inbox, dealer, xi, 43)
+        f = lease.flow_id
+        lies = [[f[0], f[1], (lease.path + 1) % fab.n_paths(f[0], dst), False], [f[0], f[1], -1, False]]
+        dealer.send(encode_envelope(K_SYNC_REP, xi, 43, 0, [[], time.time(), lies, 0, 1]))
+        time.sleep(0.5)
+        with ArkClient(b.procs.api(target)) as c:
+            flows = {(g[0], g[1]): g for g in c.call({"op": "table"})["flows"]}
+            st = c.status()
+        assert flows[tuple(f)][2] == lease.path and st["node"]["frozen_conflicts"] >= 1
+        with ArkClient(b.procs.api(target)) as c:
+            mine = c.reserve(dst, 10**10)  # same destination leaf: must not land on the owner's path
+        assert mine.reserved and mine.path != lease.path
+        assert "frozen_claim_refused" in (b.procs.workdir / f"{target}.log").read_text()
     finally:
         ctx.destroy(0)
 

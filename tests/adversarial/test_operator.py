@@ -118,3 +118,32 @@ def test_cli_agent_with_bad_settings_fails_in_one_line(tmp_path) -> None:
     p = subprocess.run([sys.executable, "-m", "ark", "agent", "--cluster", str(cfile), "--host", names[0]],
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "cluster.heartbeat_s" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"\xff\xfe\x00\x01", "١٢٣".encode(), "²".encode(), b"12 34", b"12\x00", b" \t\n", b"9" * 5000,
+     b"1073741824", b"", b"-5", b"+5", b"0x10", b"1" * 10 + b" " * 100],
+    ids=["not-utf8", "arabic-indic-digits", "superscript", "two-numbers", "nul", "only-whitespace", "huge",
+         "over-30-bits", "empty", "negative", "plus-sign", "hex", "over-64-bytes"],
+)
+def test_a_damaged_incarnation_file_is_refused_in_one_line(tmp_path, content: bytes) -> None:
+    """Never repaired: its value is unknown and may be above the clock (see ark.agent.incarnation)."""
+    f = tmp_path / "gpu0.incarnation"
+    f.write_bytes(content)
+    with pytest.raises(IncarnationError) as e:
+        next_incarnation(tmp_path, "gpu0", lambda: EPOCH + 10.0)
+    msg = str(e.value)
+    assert msg.startswith(f"state_dir: {f} is damaged") and "expected ASCII digits" in msg and "\n" not in msg, msg
+    assert f.read_bytes() == content  # left as it was, for the operator to look at
+
+
+def test_an_incarnation_file_that_is_not_a_file_is_refused_in_one_line(tmp_path) -> None:
+    (tmp_path / "gpu0.incarnation").mkdir()
+    with pytest.raises(IncarnationError, match=r"^state_dir: .*gpu0.incarnation is not a regular file; expected"):
+        next_incarnation(tmp_path, "gpu0")
+
+
+def test_whitespace_around_the_incarnation_is_read(tmp_path) -> None:
+    (tmp_path / "gpu0.incarnation").write_bytes(b"  123\n\n")
+    assert next_incarnation(tmp_path, "gpu0", lambda: EPOCH + 10.0) == 124

@@ -9,6 +9,7 @@ from ark.core.lease import LeasePolicy
 from ark.core.node import Node, NodeLimits, Publish
 from ark.core.pathmap import PathMapCache
 from ark.core.topology import preset
+from tests.liars import shift_clock
 
 FAB = preset("paper")
 MAPS = PathMapCache(FAB)
@@ -98,16 +99,158 @@ def test_with_two_hosts_both_stop_when_they_disagree() -> None:
     assert net.nodes[0].skewed and net.nodes[8].skewed
 
 
-def test_clock_watch_bounds_and_majority() -> None:
+def _rt(w: ClockWatch, peer: int, own_sent: float, theta: float, delay: float = 0.001) -> None:
+    """One full round trip with ``peer`` whose clock reads ``theta`` ahead of ours."""
+    w.sent(own_sent)
+    t2 = own_sent + delay + theta
+    t3 = t2 + 0.05
+    w.hello(peer, t3 - theta + delay, t3, [(0, own_sent, t2)], me=0)
+
+
+def test_round_trips_measure_both_directions_and_one_peer_is_one_vote() -> None:
     w = ClockWatch(bound_s=0.1, fresh_s=1.0)
-    for p in (1, 2, 3):
-        w.hello(p, 10.0, 10.3, [], me=0)  # their clocks 0.3 s ahead of ours: we are behind
-    v = w.verdict(10.0)
-    assert w.ahead_of_us() == [1, 2, 3] and v is not None and v[0] and "behind 3 of 3" in v[1]
+    for p, theta in ((1, 0.3), (2, 0.3), (3, 0.0)):
+        _rt(w, p, 10.0, theta)
+    assert w.ahead_of_us() == [1, 2] and w.behind_us() == []
+    assert w.offset(1) == pytest.approx(-0.3) and w.offset(3) == pytest.approx(0.0)
+    v = w.verdict(10.1)
+    assert v is not None and v[0] and "behind 2 of 3" in v[1]
     w = ClockWatch(bound_s=0.1, fresh_s=1.0)
-    w.hello(1, 10.0, 9.7, [0], me=0)  # delay could explain a positive sample: only their word counts
-    w.hello(2, 10.0, 9.7, [0], me=0)
-    w.hello(3, 10.0, 9.99, [], me=0)
-    v = w.verdict(10.0)
-    assert w.ahead_of_us() == [] and v is not None and v[0] and "ahead of 2 of 3" in v[1]
+    for p, theta in ((1, -0.3), (2, -0.3), (3, 0.0)):
+        _rt(w, p, 10.0, theta)
+    v = w.verdict(10.1)
+    assert w.behind_us() == [1, 2] and v is not None and v[0] and "ahead of 2 of 3" in v[1]
     assert w.verdict(12.0) is None  # nobody heard recently: no evidence either way
+
+
+def test_a_heartbeat_alone_proves_only_a_peer_ahead_and_a_bogus_echo_is_ignored() -> None:
+    w = ClockWatch(bound_s=0.1, fresh_s=1.0)
+    w.hello(1, 10.0, 10.3, [], me=0)  # sent "after" it arrived: ahead, whatever the delay
+    w.hello(2, 10.0, 9.7, [], me=0)  # could be delay: proves nothing
+    assert w.ahead_of_us() == [1] and w.behind_us() == [] and not w.off(2)
+    w.hello(2, 10.1, 9.8, [(0, 123.0, 9.75)], me=0)  # echoes a heartbeat we never sent
+    assert w.bad_echoes == 1 and w.behind_us() == []
+    w.sent(10.05)
+    w.hello(2, 10.2, 9.9, [(0, 10.05, 9.0)], me=0)  # a negative round trip: impossible
+    assert w.bad_echoes == 2
+
+
+def test_a_clock_step_replaces_older_measurements() -> None:
+    w = ClockWatch(bound_s=0.1, fresh_s=5.0)
+    for k in range(4):
+        _rt(w, 1, 10.0 + k * 0.1, 0.0)
+    assert not w.off(1)
+    _rt(w, 1, 11.0, -0.8)  # its clock stepped back
+    assert w.behind_us() == [1] and w.offset(1) == pytest.approx(0.8)
+
+
+class LyingNet(SkewedNet):
+    """Listed peers in ``liars`` shift the clock they show one destination: each HELLO's
+    ``sent_at`` and echoed arrival times to ``dst`` read ``shift`` off (``lies[(liar, dst)]``)."""
+
+    def __init__(self, offsets: dict[int, float], hosts: list[int], lies: dict[tuple[int, int], float]) -> None:
+        super().__init__(offsets, hosts)
+        self.lies = lies
+
+    def emit(self, src: int, outs) -> None:
+        queue = [(src, o) for o in outs]
+        while queue:
+            s, o = queue.pop(0)
+            for d in ([h for h in self.nodes if h != s] if isinstance(o, Publish) else [o.peer]):
+                data = shift_clock(o.data, self.lies.get((s, d), 0.0))
+                queue.extend((d, r) for r in self.nodes[d].on_message(s, data, self.clock(d)))
+
+
+def lying(offsets: dict[int, float], hosts: list[int], lies: dict[tuple[int, int], float]) -> LyingNet:
+    net = LyingNet(offsets, hosts, lies)
+    for h, n in net.nodes.items():
+        net.emit(h, n.start(net.clock(h)))
+    return net
+
+
+SIX = [0, 1, 2, 8, 9, 10]
+
+
+def test_a_liar_vouching_for_a_skewed_host_does_not_keep_it_reserving() -> None:
+    # Host 8's clock is 1 s behind; liar 2 shows 8 a clock 1 s behind too.
+    net = lying({8: -1.0}, HOSTS + [2], {(2, 8): -1.0})
+    net.run(4 * HB)
+    assert net.nodes[8].skewed and not any(n.skewed for h, n in net.nodes.items() if h != 8)
+    lease, _ = net.nodes[8].reserve(0, 10**9, net.clock(8))
+    assert not lease.reserved
+
+
+def test_a_liar_cannot_get_an_honest_host_fenced() -> None:
+    # Liar 2 shows host 1 (only) a clock 1 s ahead, and host 0 one 1 s behind.
+    net = lying({}, HOSTS + [2], {(2, 1): 1.0, (2, 0): -1.0})
+    net.run(4 * HB)
+    assert not any(n.skewed for n in net.nodes.values())
+    assert net.nodes[1].status(net.clock(1))["clock"]["ahead_of_us"] == [2]
+
+
+@pytest.mark.parametrize("skew", [1.0, -1.0])
+def test_fewer_than_half_faulty_peers_fence_no_honest_host_and_keep_no_skewed_one(skew: float) -> None:
+    # A skewed host is as much against its peers as a liar: for every honest host here,
+    # liar 2 and skewed host 9 together are two of five peers. 2 vouches for 9 and shows
+    # honest hosts 0 and 1 a clock off the same way as 9's.
+    lies = {(2, 9): skew, (2, 0): skew, (2, 1): skew}
+    net = lying({9: skew}, SIX, lies)
+    net.run(4 * HB)
+    assert [h for h, n in net.nodes.items() if n.skewed] == [9]
+
+
+def test_two_liars_among_six_hosts_fence_no_honest_host() -> None:
+    lies = {(liar, h): 1.0 for liar in (2, 10) for h in (0, 1, 8, 9)}
+    net = lying({}, SIX, lies)
+    net.run(4 * HB)
+    assert not any(n.skewed for n in net.nodes.values())
+
+
+def test_receivers_refuse_reservations_of_a_host_they_measure_off() -> None:
+    # Liars 2 and 9 vouch for skewed host 8: half of 8's peers lie, so 8 goes on reserving
+    # (outside the bound), but honest host 0, whose clock most peers back, refuses them.
+    net = lying({8: -1.0}, [0, 1, 2, 8, 9], {(2, 8): -1.0, (9, 8): -1.0})
+    net.run(4 * HB)
+    assert not net.nodes[8].skewed
+    lease, outs = net.nodes[8].reserve(1, 10**9, net.clock(8))
+    net.emit(8, outs)
+    assert lease.reserved and lease.flow_id not in net.nodes[0].core.table()
+    assert net.nodes[0].counters.skewed_owner == 1
+    # The liars take it; 8 itself judges nobody: most of its peers measure it off.
+    assert lease.flow_id in net.nodes[2].core.table() and not net.nodes[8].clock.trusted(net.clock(8))
+
+
+def test_two_honest_hosts_near_the_bound_on_either_side_refuse_nothing() -> None:
+    # 0.07 s behind and 0.07 s ahead: each within the bound of the majority, 0.14 s apart.
+    net = started({1: -0.07, 9: 0.07}, hosts=SIX)
+    net.run(4 * HB)
+    assert net.nodes[1].clock.off(9)  # beyond the bound from each other, yet both honest
+    lease, outs = net.nodes[9].reserve(1, 10**9, net.clock(9))
+    net.emit(9, outs)
+    assert lease.reserved and not any(n.skewed for n in net.nodes.values())
+    assert all(lease.flow_id in n.core.table() for n in net.nodes.values())
+    assert not any(n.counters.skewed_owner for n in net.nodes.values())
+
+
+def test_the_fence_holds_in_a_cluster_larger_than_the_echo_rotation() -> None:
+    # 150 hosts: each HELLO echoes 16 peers, so a pair closes a round trip about every tenth
+    # heartbeat, while heartbeats keep coming in between.
+    n, me, off = 150, 0, 1.0
+    watches = [ClockWatch(bound_s=0.1, fresh_s=5.0) for _ in range(n)]
+    verdicts, trusted = [], []
+    for k in range(40):
+        t = 10.0 + k * 0.1
+        hellos = []
+        for h, w in enumerate(watches):
+            sent = t + (off if h == me else 0.0)
+            hellos.append((h, sent, [tuple(e) for e in w.echoes(sent)]))
+            w.sent(sent)
+        for h, sent, echoes in hellos:
+            for d, w in enumerate(watches):
+                if d != h:
+                    w.hello(h, t + 0.001 + (off if d == me else 0.0), sent, echoes, d)
+        if k >= 25:
+            verdicts.append(watches[me].verdict(t + off + 0.01))
+            trusted.append(watches[1].trusted(t + 0.01))
+    assert all(v is not None and v[0] for v in verdicts) and all(trusted)
+    assert watches[1].verdict(t + 0.01) == (False, "") and watches[1].behind_us() == [] and watches[1].ahead_of_us() == [0]

@@ -185,9 +185,9 @@ def test_a_message_of_another_wire_version_is_dropped_and_counted_as_such() -> N
     peer = net.nodes[8]
     before = peer.core.digest()
     ok = Reserve((0, 7), 2.0, 0, 9, 4791, 0, 50000, 10, 1e9, False, 3.0)
-    # An envelope from a future release (version 3) and an old message inside a current one.
-    future = msgpack.packb([3, K_DATA, 0, 1, 50, [encode(ok), b""]], use_bin_type=True)
-    other_layout = msgpack.packb([3, K_DATA, 0, 1, 50, "new field", [encode(ok), b""]], use_bin_type=True)
+    # An envelope from a future release (version 4) and an old message inside a current one.
+    future = msgpack.packb([4, K_DATA, 0, 1, 50, [encode(ok), b""]], use_bin_type=True)
+    other_layout = msgpack.packb([4, K_DATA, 0, 1, 50, "new field", [encode(ok), b""]], use_bin_type=True)
     old_msg = msgpack.packb([0, *msgpack.unpackb(encode(ok))[1:]], use_bin_type=True)
     peer.on_publish(0, future, 2.0)
     peer.on_publish(0, other_layout, 2.0)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ark.core.messages import Release, Reserve
 from ark.core.pathmap import PathMapCache
-from ark.core.protocol import ArkCore, CoreError
+from ark.core.protocol import MORE_PORTS_PER_FLOW, ArkCore, CoreError
 from ark.core.topology import preset, spine_leaf
 from tests.harness import Cluster
 
@@ -60,9 +60,9 @@ def test_more_ports_are_free_ports_of_the_flows_path_held_until_release() -> Non
     assert all(o.port not in held for o in others)
     for o in others:
         c.release(0, o.flow, 6.0)
-    # A bucket runs dry: fewer than asked, then none.
+    # A flow holds at most MORE_PORTS_PER_FLOW extra ports: fewer than asked, then none.
     everything = core.more_ports(d.flow, 1 << 16)
-    assert len(everything) == len(pm.buckets[d.path]) - 6 and core.more_ports(d.flow, 3) == []
+    assert len(everything) == MORE_PORTS_PER_FLOW - 5 and core.more_ports(d.flow, 3) == []
     c.release(0, d.flow, 7.0)
     again = c.request(0, 8, 10**9, 8.0)
     assert again.path == d.path and core.more_ports(again.flow, 4) != []  # given back at release
@@ -277,17 +277,18 @@ def test_reservation_keys_are_a_strict_total_order(times, hosts) -> None:
     assert all(a < b for a, b in itertools.pairwise(s))
 
 
-def test_a_frozen_assignment_gives_way_only_to_the_owners_word() -> None:
+def test_the_table_sets_and_thaws_assignments_the_node_decided_on() -> None:
     from ark.core.table import ReservationTable
 
     t = ReservationTable(PAPER)
     f = (3, 1)
     t.receive(Reserve(f, 1.0, 3, 12, 4791, 0, 50000, 10**9, 1e11))
-    t.adopt({f: (1, False)})  # a peer's word: taken, frozen
-    assert t.frozen() == {f: (1, False)}
-    t.adopt({f: (2, False)})  # another peer's word does not move a frozen entry
-    assert t.frozen() == {f: (1, False)}
-    t.adopt({f: (3, True)}, owners_word={f})  # the owner's does
-    assert t.frozen() == {f: (3, True)} and t.table()[f] == (3, True)
-    t.adopt({f: (9, False)}, owners_word={f})  # out of range: counted, dropped
-    assert t.frozen() == {f: (3, True)} and t.counters.invalid == 1
+    assert t.table()[f] == (0, False) and t.assignment(f) == (1.0, False, 0, False)
+    t.adopt({f: (1, False)})  # taken and frozen: no recomputation moves it
+    t.recompute()
+    assert t.frozen() == {f: (1, False)} and t.table()[f] == (1, False)
+    t.adopt({f: (9, False)})  # out of range: counted, dropped
+    assert t.frozen() == {f: (1, False)} and t.counters.invalid == 1
+    t.adopt({f: None})  # thawed: recomputed from what the table holds
+    assert t.frozen() == {} and t.table()[f] == (0, False)
+    assert t.adopt({(5, 5): (1, False)}) == []  # a reservation it does not hold: nothing

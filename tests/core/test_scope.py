@@ -121,5 +121,6 @@ def test_a_scoped_node_reserves_and_keeps_only_what_lies_in_its_links() -> None:
     # The same out-of-scope reservation relayed by a peer's snapshot: dropped as well.
     n.tick(3.0)
     n._request_sync(3, 3.0)  # a sync in flight to peer 3, so its reply is taken
-    n.on_request(3, encode_envelope(K_SYNC_REP, 3, 1, 0, [[[reserve(5, 1, 2), b""]], 3.0, [], 0, 1]), 3.0)
-    assert n.counters.out_of_scope == 3 and (5, 2) not in n.core.entries()
+    seq = (1 << 32) + 2  # of host 5's current incarnation (an earlier one's would be a replay)
+    n.on_request(3, encode_envelope(K_SYNC_REP, 3, 1, 0, [[[reserve(5, 1, seq), b""]], 3.0, [], 0, 1]), 3.0)
+    assert n.counters.out_of_scope == 3 and (5, seq) not in n.core.entries()

@@ -131,3 +131,16 @@ class ClusterMachine(RuleBasedStateMachine):
 
 ClusterMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
 TestClusterMachine = ClusterMachine.TestCase
+
+
+def test_a_quarter_of_unscoped_seeds_run_a_byzantine_host_whose_lies_are_refused() -> None:
+    sims = [vopr.Sim(s) for s in range(80)]
+    liars = [s for s in sims if s.liar is not None]
+    unscoped = [s for s in sims if s.scope is None]
+    assert all(s.scope is None for s in liars) and 0.1 <= len(liars) / len(unscoped) <= 0.45
+    refused = 0
+    for seed in [s.seed for s in liars[:4]]:
+        sim = vopr.run(seed)  # the invariants hold on the honest hosts
+        honest = [n for n in sim.nodes if n is not None and sim.honest(n.host)]
+        refused += sum(n.counters.frozen_conflicts + n.counters.replayed for n in honest)
+    assert refused > 0  # the liar did lie, and was refused

@@ -88,9 +88,12 @@ class LocalApi:
         self.ops: dict[str, Callable[[Any, bytes, float], Reply | None]] = {
             name: getattr(self, f"op_{name}") for name in OPS
         }
+        self.pid = 0  # the process the request being handled came from (0: not known)
 
-    def handle(self, body: bytes, rid: bytes = b"") -> Reply | None:
-        """The reply to one request (None: answered later, e.g. ``refresh``)."""
+    def handle(self, body: bytes, rid: bytes = b"", pid: int = 0) -> Reply | None:
+        """The reply to one request (None: answered later, e.g. ``refresh``) from process
+        ``pid``, which holds the flows it reserves or renews (:mod:`ark.agent.holders`)."""
+        self.pid = pid
         try:
             req = self._decode(body)
             return self.ops[req.op](req, rid, time.time())
@@ -137,25 +140,30 @@ class LocalApi:
     def op_reserve(self, req: ReserveReq, rid: bytes, now: float) -> Reply:
         lease, outs = self.agent.node.reserve(self._host(req.dst, "dst"), req.nbytes, now, self._dport(req.dport))
         self.agent.emit(outs)
+        if self.agent.node.holds(lease.flow_id):  # an untracked ECMP lease holds nothing to release
+            self.agent.holders.hold(lease.flow_id, self.pid)
         return {"ok": True, "lease": lease_dict(lease)}
 
     def op_renew(self, req: FlowReq, rid: bytes, now: float) -> Reply:
         lease, outs = self.agent.node.renew(req.flow, now)
         self.agent.emit(outs)
+        if self.agent.node.holds(lease.flow_id):  # an untracked ECMP lease holds nothing to release
+            self.agent.holders.hold(lease.flow_id, self.pid)
         return {"ok": True, "lease": lease_dict(lease)}
 
     def op_release(self, req: FlowReq, rid: bytes, now: float) -> Reply:
         self.agent.emit(self.agent.node.release(req.flow, now))
+        self.agent.holders.drop(req.flow)
         return {"ok": True}
 
     def op_lease(self, req: FlowReq, rid: bytes, now: float) -> Reply:
-        return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(req.flow))}
+        return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(req.flow, now))}
 
     def op_more_ports(self, req: MorePortsReq, rid: bytes, now: float) -> Reply:
         """More source ports of a flow's path (an engine opening several connections)."""
         node = self.agent.node
         ports = node.more_ports(req.flow, req.n)
-        return {"ok": True, "ports": ports, "path": node.lease_of(req.flow).path}  # the path they lead over
+        return {"ok": True, "ports": ports, "path": node.lease_of(req.flow, now).path}  # the path they lead over
 
     def op_reload(self, req: _Req, rid: bytes, now: float) -> Reply:
         """New path-map files (re-probed after a fabric change): reload and re-path."""
@@ -172,7 +180,9 @@ class LocalApi:
         st = agent.node.status(now)
         st["name"] = agent.me.name
         st["node"].update(unsent=agent.dropped_out, errors=agent.errors, rate_limited=agent.rate_limited,
-                          connections_shed=agent.guard.shed if hasattr(agent, "guard") else 0)
+                          connections_shed=agent.guard.shed if hasattr(agent, "guard") else 0,
+                          vanished_client_releases=agent.holders.released if hasattr(agent, "holders") else 0,
+                          **(agent.http.counters() if agent.http is not None else {}))
         st["peers"] = {agent.peers[int(p)].name: v for p, v in st["peers"].items()}
         samples = list(agent.node.propagation_s)
         st["propagation_samples"] = samples[-req.samples:] if req.samples else []

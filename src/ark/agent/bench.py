@@ -1,4 +1,5 @@
-"""Agent benchmarks on loopback: idle cost, hostile floods, unauthenticated abuse.
+"""Agent benchmarks on loopback: idle cost, hostile floods, unauthenticated abuse, and an
+engine reserving and releasing back to back (churn).
 
 Each starts real agent processes (:mod:`ark.agent.loopback`), does its damage from this
 process with real sockets, and returns figures (no printing): CPU, resident memory of the
@@ -14,6 +15,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,12 +81,12 @@ class Bed:
 
 @contextlib.contextmanager
 def bed(agents: int = 3, peer_rate: float = 2000.0, fd_limit: int | None = None,
-        max_flows_per_host: int = 4096) -> Iterator[Bed]:
+        max_flows_per_host: int = 4096, retention_s: float = 5.0) -> Iterator[Bed]:
     with tempfile.TemporaryDirectory(prefix="ark-bench-") as d:
         wd = Path(d)
         (wd / "api").mkdir()
         cfile, names = write_cluster(wd, agents, extra_hosts=1, heartbeat_s=0.25, peer_rate=peer_rate,
-                                     max_flows_per_host=max_flows_per_host)
+                                     max_flows_per_host=max_flows_per_host, retention_s=retention_s)
         procs = AgentProcs(cfile, names, wd, fd_limit=fd_limit)
         running = names[:agents]
         try:
@@ -144,6 +146,59 @@ def flood(messages_per_s: float = 10_000, seconds: float = 10.0, peer_rate: floa
         "invalid": st["node"]["invalid"] + st["core"]["invalid"], "rate_limited": st["node"]["rate_limited"],
         "errors": st["node"]["errors"], "alive": alive,
     }
+
+
+def churn(seconds: float = 60.0, max_flows_per_host: int = 4096, retention_s: float = 5.0,
+          peer_rate: float = 2000.0) -> dict[str, Any]:
+    """One engine reserving and releasing back to back, as fast as its agent answers, on a
+    real two-agent cluster: cycles per second, refusals (error replies), plain ECMP leases
+    and their reasons, and what the peer made of the stream (dropped, rate limited)."""
+    with bed(agents=2, peer_rate=peer_rate, max_flows_per_host=max_flows_per_host, retention_s=retention_s) as b:
+        src, dst = b.running
+        pid = b.pid(src)
+        cpu0 = sum(thread_cpu_s([pid]).values())
+        r = _churn_cycles(b.procs.api(src), dst, seconds)
+        cpu = sum(thread_cpu_s([pid]).values()) - cpu0
+        time.sleep(1.0)  # the peer's last batch and syncs
+        st = b.procs.status(b.running)
+    mine, peer = st[src], st[dst]
+    r.update(max_flows_per_host=max_flows_per_host, retention_s=retention_s, peer_rate=peer_rate,
+             agent_cpu_us_per_cycle=round(cpu / max(1, r["cycles"]) * 1e6, 1), capped=mine["core"]["capped"],
+             peer_overflow=peer["core"]["overflow"], peer_rate_limited=peer["node"]["rate_limited"],
+             peer_gaps=peer["node"]["gaps"], peer_sync_applied=peer["node"]["sync_applied"],
+             errors=mine["node"]["errors"] + peer["node"]["errors"])
+    return r
+
+
+def _churn_cycles(api: str, dst: str, seconds: float) -> dict[str, Any]:
+    """Reserve+release cycles against ``api`` for ``seconds``, back to back: what the engine got."""
+    refused: Counter[str] = Counter()
+    ecmp: Counter[str] = Counter()
+    ends: list[float] = []
+    took: list[float] = []
+    with ArkClient(api, timeout_s=10.0) as c:
+        t0 = time.monotonic()
+        while (t := time.monotonic()) - t0 < seconds:
+            try:
+                lease = c.reserve(dst, 10**6, wait_ready_s=0)
+                c.release(lease.flow_id)
+            except ArkClientError as e:
+                refused[str(e)[:100]] += 1
+                continue
+            now = time.monotonic()
+            ends.append(now - t0)
+            took.append(now - t)
+            if lease.fallback:
+                ecmp[lease.fallback] += 1
+    wall = time.monotonic() - t0
+    per_s = np.bincount(np.asarray(ends, dtype=int), minlength=int(seconds))[:int(seconds)]
+    ms = np.asarray(took) * 1e3
+    return {"seconds": round(wall, 2), "cycles": len(ends), "cycles_per_s": round(len(ends) / wall, 1),
+            "cycles_per_s_min": int(per_s.min()) if per_s.size else 0,
+            "refusals": sum(refused.values()), "refusal_reasons": dict(refused),
+            "ecmp": sum(ecmp.values()), "ecmp_reasons": dict(ecmp),
+            "cycle_ms_p50": round(float(np.percentile(ms, 50)), 3) if ms.size else None,
+            "cycle_ms_p99": round(float(np.percentile(ms, 99)), 3) if ms.size else None}
 
 
 def _send_paced(sock: zmq.Socket, b: Bed, target: str, rate: float, seconds: float) -> int:

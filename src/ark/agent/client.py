@@ -9,6 +9,9 @@
             lease.check()                              # raises LeaseLost if it was lost
         # released here
 
+A process that dies holding leases (killed, crashed) has them released by its agent within
+a second (:mod:`ark.agent.holders`); one that only closes its client keeps them.
+
 Errors say what went wrong: :class:`AgentUnavailable` (no agent at the endpoint),
 :class:`AgentNotReady` (it is resynchronising), :class:`AgentTimeout` (it did not answer
 in time), :class:`RequestRefused` (it answered no), :class:`LeaseLost` (a held lease could
@@ -58,6 +61,7 @@ def _lease(d: dict[str, Any]) -> Lease:
     return Lease(
         (int(d["flow_id"][0]), int(d["flow_id"][1])), int(d["dst"]), int(d["path"]), int(d["src_port"]),
         None if d["flow_label"] is None else int(d["flow_label"]), float(d["expires"]), bool(d["reserved"]),
+        str(d.get("fallback", "")),  # an older agent does not say why
     )
 
 

@@ -38,6 +38,7 @@ same way.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -234,6 +235,13 @@ def _resolve(path: str | None, base: Path | None) -> str | None:
     return str(base / path)
 
 
+def _same_socket(v: str | None) -> str | None:
+    """One spelling per ipc socket file (``a//b``, ``./b``, a symlinked directory: the same file)."""
+    if v is None or not v.startswith("ipc://"):
+        return v
+    return "ipc://" + os.path.realpath(v[len("ipc://"):])
+
+
 def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
     """Decode a parsed cluster file; relative paths resolve against ``base``."""
     f = convert(d, ClusterFile, error=ClusterError)
@@ -254,8 +262,10 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
     for what in ("public_key", "control", "api", "sign_key"):
         seen: dict[str, int] = {}
         for i, h in enumerate(f.hosts):
-            v = getattr(h, what)
-            if v is not None and v in seen:
+            v = _same_socket(getattr(h, what))
+            if v is None:
+                continue
+            if v in seen:
                 raise ClusterError(f"hosts[{i}].{what}: the same as hosts[{seen[v]}]'s; every host needs its own")
             seen[v] = i
     settings = msgspec.structs.asdict(f.cluster)
@@ -270,6 +280,8 @@ def load(path: str | Path) -> Cluster:
         d = tomllib.loads(p.read_text())
     except OSError as e:
         raise ClusterError(f"cluster: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ClusterError(f"cluster: {path} is not UTF-8 text (byte {e.start}); expected a TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise ClusterError(f"cluster: {path} is not valid TOML: {e}") from None
     return from_dict(d, p.parent)
@@ -282,7 +294,8 @@ def read_secret_key(path: str) -> tuple[bytes, bytes]:
     try:
         pub, sec = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
-        raise ClusterError(f"secret_key_file: cannot read {path}: {e}") from None
+        raise ClusterError(f"secret_key_file: cannot read {path} ({e}); expected a .key_secret file "
+                           f"from ark keygen") from None
     if sec is None:
-        raise ClusterError(f"secret_key_file: {path} holds no secret key")
+        raise ClusterError(f"secret_key_file: {path} holds no secret key; expected a .key_secret file from ark keygen")
     return pub, sec

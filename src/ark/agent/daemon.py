@@ -9,7 +9,10 @@ Sockets (ZeroMQ, brokerless, every peer link CURVE-encrypted and authenticated):
   connected to the peer's ``control``. A broadcast (RESERVE / RENEW / RELEASE / HELLO)
   goes out on all of them; sync requests and replies on one;
 * ROUTER on ``api`` (ipc://, local only): the serving engines' requests
-  (:mod:`ark.agent.api`).
+  (:mod:`ark.agent.api`); the flows of a client process that dies are released
+  (:mod:`ark.agent.holders`);
+* optionally a plain TCP listener on 127.0.0.1:``metrics_port``, polled by the same loop
+  (:class:`ark.agent.metrics.MetricsServer`): no thread ever reads the node.
 
 Why not PUB/SUB sockets: a SUB per peer costs the receiver a wakeup and a poll slot per
 peer, and a single SUB cannot tell senders apart. The inbound ROUTER gives one socket to
@@ -43,9 +46,10 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from ark.agent.api import API_MAX_BYTES, LocalApi, lease_dict
 from ark.agent.cluster import Cluster, HostEntry, read_secret_key
+from ark.agent.holders import Holders, peer_pid
 from ark.agent.incarnation import IncarnationError, next_incarnation
 from ark.agent.keys import Signatures
-from ark.agent.metrics import registry
+from ark.agent.metrics import SCRAPES_AT_ONCE, MetricsServer, registry
 from ark.agent.refresh import PathRefresher
 from ark.agent.sockets import (
     HANDSHAKE_IVL_MS,
@@ -53,8 +57,10 @@ from ark.agent.sockets import (
     ConnectionGuard,
     bind,
     check_resolvable,
+    ipc_identity,
     open_api,
     raise_fd_limit,
+    remove_ipc,
 )
 from ark.core.envelope import MAX_ENVELOPE_BYTES
 from ark.core.node import Node, NodeLimits, Output, Publish
@@ -115,10 +121,12 @@ class Agent:
         self.me: HostEntry = cluster.host(host)
         keyfile = secret_key_file or self.me.secret_key_file
         if keyfile is None:
-            raise AgentError("secret key: give --secret-key or secret_key_file in the cluster file")
+            raise AgentError(f"secret_key_file: not set for {host}; give --secret-key or set secret_key_file "
+                             f"in its [[hosts]] table")
         pub, self.secret = read_secret_key(keyfile)
         if pub.decode() != self.me.public_key:
-            raise AgentError(f"secret key: {keyfile} does not match {host}'s public_key in the cluster file")
+            raise AgentError(f"secret_key_file: {keyfile} does not match {host}'s public_key in the cluster file; "
+                             f"expected the secret key of that public key (ark keygen wrote both)")
         self.public = pub
         scope = cluster.traffic_scope()
         # Scoped: only the senders whose flows can share a link with ours (ark.core.scope).
@@ -149,6 +157,9 @@ class Agent:
         self._buckets: dict[int, list[float]] = {}  # peer -> [tokens, last refill]
         self._key_host = {h.public_key.encode(): h.index for h in cluster.hosts}
         self.registry: Any = None
+        self.http: MetricsServer | None = None
+        self._api_file: tuple[int, int] | None = None  # our socket file, removed at exit only if still ours
+        self._api_ipc = self.me.api.startswith("ipc://")
 
     def _node(self, incarnation: int) -> Node:
         c = self.cluster
@@ -182,10 +193,15 @@ class Agent:
         for opt, val in ((zmq.RCVHWM, 4096), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES + 1024),
                          (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)):
             self.inbox.setsockopt(opt, val)
-        budget = min(self.cluster.connections(len(self.cluster.hosts)), max(16, fds - 256))
+        # 256 descriptors for everything else; the metrics endpoint's connections come out
+        # of the same budget as the control port's.
+        spare = 256 + (SCRAPES_AT_ONCE + 1 if self.me.metrics_port is not None else 0)
+        budget = min(self.cluster.connections(len(self.cluster.hosts)), max(16, fds - spare))
         self.guard = ConnectionGuard(self.inbox, budget, _listed_ips(self.cluster))
         bind(self.inbox, self.me.control, "control")
         self.api_sock = open_api(ctx, self.me.api, API_MAX_BYTES + 256)
+        self._api_file = ipc_identity(self.me.api)
+        self.holders = Holders(self.api_sock)
         self.out: dict[int, zmq.Socket] = {}
         for idx, h in self.peers.items():
             d = ctx.socket(zmq.DEALER)
@@ -196,31 +212,39 @@ class Agent:
             self.out[idx] = d
         # Two pollers: everything, and everything but the peers (while a batch window runs).
         self.poller, self.poller_no_peers = zmq.Poller(), zmq.Poller()
-        for sock in (self.inbox, self.api_sock, self.guard.monitor, self.refresher.wake_r):
+        for sock in (self.inbox, self.api_sock, self.guard.monitor, self.holders.monitor, self.refresher.wake_r):
             self.poller.register(sock, zmq.POLLIN)
             if sock is not self.inbox:
                 self.poller_no_peers.register(sock, zmq.POLLIN)
         if self.me.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            start_http_server(self.me.metrics_port, addr="127.0.0.1", registry=self.metrics_registry())
+            self.http = MetricsServer(self.me.metrics_port, self._render_metrics, [self.poller, self.poller_no_peers])
 
     def _close(self) -> None:
-        self.guard.close()
-        for s in [self.inbox, self.api_sock, *self.out.values()]:
-            s.close(0)
-        self.auth.stop()
-        self.ctx.term()
+        # Also after a start that failed half-way: close what was opened, nothing else.
+        for part in (getattr(self, "guard", None), getattr(self, "holders", None), self.http):
+            if part is not None:
+                part.close()
+        for s in [getattr(self, "inbox", None), getattr(self, "api_sock", None), *getattr(self, "out", {}).values()]:
+            if s is not None:
+                s.close(0)
+        if hasattr(self, "auth"):
+            self.auth.stop()
+        if hasattr(self, "ctx"):
+            self.ctx.destroy(0)  # and any socket a failed start left unclosed
         self.refresher.close()
-        if self.me.api.startswith("ipc://"):
-            Path(self.me.api[len("ipc://"):]).unlink(missing_ok=True)
+        remove_ipc(self.me.api, self._api_file)
 
     # ------------------------------------------------------------------ loop
     def stop(self, *_: Any) -> None:
         self._stop = True
 
     def run(self) -> None:
-        self._open()
+        try:
+            self._open()
+        except BaseException:  # a refused start (AgentError) leaves nothing behind
+            with contextlib.suppress(Exception):  # and its one-line reason is what is reported
+                self._close()
+            raise
         signal.signal(signal.SIGTERM, self.stop)
         signal.signal(signal.SIGINT, self.stop)
         log.info(**_ev("agent_started", host=self.me.name, id=self.me.index, incarnation=self.node.incarnation,
@@ -234,6 +258,8 @@ class Agent:
                 now = time.time()
                 if now >= self._timers_at:
                     self._timers(now)
+                if time.monotonic() >= self.holders.due:
+                    self._release_vanished(now)
                 self._log_events()
         finally:
             log.info(**_ev("agent_stopped", host=self.me.name))
@@ -258,13 +284,19 @@ class Agent:
     def _wait_and_drain(self) -> None:
         # A signal interrupts the poll; 1 s at most keeps a stop request prompt regardless.
         now = time.time()
-        timeout = min(1.0, max(0.0, self._timers_at - now))
+        timeout = min(1.0, max(0.0, self._timers_at - now), max(0.0, self.holders.due - time.monotonic()))
+        if self.http is not None:
+            timeout = min(timeout, self.http.wait_s())
         if now < self._peers_due:  # a batch window: the local API and timers only, until it ends
             events = dict(self.poller_no_peers.poll(max(1, math.ceil(min(timeout, self._peers_due - now) * 1000))))
         else:
             events = dict(self.poller.poll(int(timeout * 1000) + 1))
         if self.guard.monitor in events:
             self.guard.drain()
+        if self.holders.monitor in events:
+            self.holders.closed()
+        if self.http is not None:
+            self.http.handle(events)
         if self.api_sock in events:
             self._drain_api()
         if self.inbox in events:
@@ -346,11 +378,12 @@ class Agent:
         for _ in range(limit):
             if not readable(sock):
                 return
-            frames = sock.recv_multipart()
+            frames = sock.recv_multipart(copy=False)  # frames: they carry the sender's pid
             if len(frames) < 2:
                 continue
-            rid = frames[0]
-            reply = self.api.handle(frames[-1], rid)
+            rid = frames[0].bytes
+            pid = peer_pid(frames[-1]) if self._api_ipc else 0  # over TCP the peer address is an IP
+            reply = self.api.handle(frames[-1].bytes, rid, pid)
             if reply is not None:  # None: answered later (refresh)
                 self.reply(rid, reply)
 
@@ -387,6 +420,10 @@ class Agent:
             ev = self.node.events.popleft()
             log.info(**_ev("local_flow_changed", flow=list(ev.flow), old_path=ev.old_path, path=ev.path,
                            port=ev.port, reserved=ev.reserved))
+        while self.node.alerts:  # a peer's claim refused: a lie, or replicas that diverged
+            alert = self.node.alerts.popleft()
+            alert.pop("part_of", None)
+            log.warning(**_ev(alert.pop("event"), **alert))
 
     # ------------------------------------------------------------------ path refresh
     def finish_refresh(self, rid: bytes | None, res: dict[str, Any]) -> None:
@@ -417,6 +454,22 @@ class Agent:
         if self.registry is None:
             self.registry = registry(self)
         return self.registry
+
+    def _render_metrics(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return bytes(generate_latest(self.metrics_registry()))
+
+    def _release_vanished(self, now: float) -> None:
+        """Release the flows of local clients whose process is gone (:mod:`ark.agent.holders`)."""
+        local = set(self.node.local_flows())
+        for flow in self.holders.sweep(lambda f: self.node.resolve(f) in local):
+            try:
+                self.emit(self.node.release(flow, now))
+            except CoreError:  # released or expired meanwhile
+                continue
+            self.holders.released += 1
+            log.info(**_ev("vanished_client_released", host=self.me.name, flow=list(flow)))
 
 
 class _ArrivalRate:

@@ -6,18 +6,30 @@ one, whatever its clock does. The number is ``max(previous + 1, seconds since 20
 the stored previous value makes it monotonic across clock steps back, and the clock makes
 it grow even when the state file is lost. It is written (atomically, fsynced) before it
 is used. Seconds since the epoch fit the 30 bits a node allows until 2057.
+
+A missing file counts as 0: the clock alone then decides, which is safe only while the
+clock is right and the host did not restart faster than once a second (either can leave
+the lost value above the clock, and peers would ignore the agent until the clock passed
+it). A file that is there but damaged (not 1 to 10 ASCII digits within the 30 bits, bytes
+that are not text, a directory or anything else than a regular file) is refused, never
+repaired: its value is unknown and may be such a value above the clock, and only the
+operator can say the clock is right. Removing the file is that statement.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 EPOCH = 1_700_000_000  # 2023-11-14: incarnations count seconds from here
 MAX_INCARNATION = 2**30 - 1
+_DIGITS = re.compile(rb"[0-9]{1,10}")
+_MAX_FILE_BYTES = 64  # digits plus any whitespace a hand edit may have left
 
 
 class IncarnationError(RuntimeError):
@@ -54,9 +66,17 @@ def next_incarnation(state_dir: str | Path, host: str, clock: Callable[[], float
 
 def _read(path: Path) -> int:
     try:
-        text = path.read_text().strip()
+        st = os.stat(path)
     except FileNotFoundError:
         return 0
-    if not text.isdigit() or int(text) > MAX_INCARNATION:
-        raise IncarnationError(f"state_dir: {path} is damaged (expected an integer); remove it to start over")
-    return int(text)
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read, a directory fail it
+        raise IncarnationError(f"state_dir: {path} is not a regular file; expected one holding the last "
+                               f"incarnation (0..{MAX_INCARNATION}); remove it once this host's clock is right")
+    with open(path, "rb") as f:
+        raw = f.read(_MAX_FILE_BYTES + 1)  # what we write is at most 11 bytes: never read more
+    # ASCII digits only: str.isdigit and int() also take other scripts' digits and
+    # superscripts, which this program never writes.
+    if len(raw) <= _MAX_FILE_BYTES and _DIGITS.fullmatch(raw.strip()) and int(raw) <= MAX_INCARNATION:
+        return int(raw)
+    raise IncarnationError(f"state_dir: {path} is damaged (holds {raw[:24]!r}; expected ASCII digits "
+                           f"0..{MAX_INCARNATION}); remove it once this host's clock is right to start over")

@@ -58,28 +58,33 @@ def write_cluster(
     spines: int = 4,
     peer_rate: float = 2000.0,
     max_flows_per_host: int = 4096,
+    retention_s: float = 5.0,
     sends_to: dict[str, list[str]] | None = None,
+    metrics: bool = False,
 ) -> tuple[Path, list[str]]:
     """Keys and a cluster file for ``n`` agents on a 2-leaf fabric with ``spines`` spines.
 
     ``extra_hosts`` more hosts get keys and entries but no process is started for them
     by default (tests use them as strangers or impostors). ``sends_to`` (host name ->
     the names it sends KV flows to) makes the cluster scoped (``scope = "declared"``).
+    ``metrics``: every host gets a ``metrics_port`` too.
     """
     total = n + extra_hosts
     per_leaf = max(1, math.ceil(total / 2))
     names = [f"gpu{(i % 2) * per_leaf + i // 2}" for i in range(total)]  # alternate leaves
-    ports = free_ports(total)
+    ports = free_ports(2 * total if metrics else total)
     hosts = []
     for i, name in enumerate(names):
         kp = create_keypair(workdir / "keys", name)
         hosts.append(HostTable(name=name, control=f"tcp://127.0.0.1:{ports[i]}", api=f"ipc://{workdir}/api/{name}.sock",
                                public_key=kp.public_key, sign_key=kp.sign_key, secret_key_file=f"keys/{name}.key_secret",
-                               sends_to=list((sends_to or {}).get(name, []))))
+                               sends_to=list((sends_to or {}).get(name, [])),
+                               metrics_port=ports[total + i] if metrics else None))
     settings = ClusterSettings(policy=policy, lease_min_s=lease_min_s, heartbeat_s=heartbeat_s,
                                peer_timeout_s=max(1.0, 2 * heartbeat_s), sync_timeout_s=1.0,
                                max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state", peer_rate=peer_rate,
-                               max_flows_per_host=max_flows_per_host, scope="full" if sends_to is None else "declared")
+                               max_flows_per_host=max_flows_per_host, retention_s=retention_s,
+                               scope="full" if sends_to is None else "declared")
     path = ClusterFile(cluster=settings, fabric=FabricConfig(leaves=2, spines=spines, gpus_per_leaf=per_leaf),
                        hosts=hosts).save(workdir / "cluster.toml")
     return path, names

@@ -8,7 +8,8 @@
   peers reconnect by themselves), so strangers cannot use up the descriptors.
 * The local API lives in a directory that must belong to this user and be writable by
   nobody else; otherwise another user could replace the socket and hand an engine a
-  forged lease.
+  forged lease. A socket file already there is removed only when nothing accepts
+  connections on it: a second agent never takes over a live agent's API.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def check_resolvable(endpoint: str, field: str) -> None:
     try:
         socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
     except (socket.gaierror, ValueError, UnicodeError) as e:
-        raise AgentError(f"{field}: cannot resolve {endpoint}: {e}") from None
+        raise AgentError(f"{field}: cannot resolve {endpoint} ({e}); expected tcp://HOST:PORT with a HOST that "
+                         f"resolves here") from None
 
 
 def private_api_dir(endpoint: str) -> None:
@@ -62,26 +64,63 @@ def private_api_dir(endpoint: str) -> None:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.stat(d)
     except OSError as e:
-        raise AgentError(f"api: cannot create {d}: {e.strerror}") from None
+        raise AgentError(f"api: cannot create {d} ({e.strerror}); expected a directory this user can create or own") from None
     if st.st_uid != os.geteuid():
         raise AgentError(f"api: {d} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}); refusing to use it")
     if st.st_mode & 0o022:
         raise AgentError(f"api: {d} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
                          f"make it 0700 or 0755")
     if not os.access(d, os.W_OK | os.X_OK):
-        raise AgentError(f"api: {d} is not writable")
+        raise AgentError(f"api: {d} is not writable by this user ({os.geteuid()}); expected a directory it can write")
     with contextlib.suppress(FileNotFoundError):
         sst = os.lstat(path)
         if not stat.S_ISSOCK(sst.st_mode) or sst.st_uid != os.geteuid():
             raise AgentError(f"api: {path} exists and is not this user's socket; refusing to replace it")
+        # Whatever the spelling (a doubled slash, a symlinked directory, a relative path),
+        # the socket file is the same: ask it, never the path, whether someone is behind it.
+        if _served(path):
+            raise AgentError(f"api: {endpoint} is served by another running agent (it accepts connections; "
+                             f"real path {os.path.realpath(path)}); stop that agent or give this host another api")
         path.unlink()  # a stale socket from a killed predecessor
+
+
+def _served(path: Path) -> bool:
+    """Whether something accepts connections on the Unix socket at ``path``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False  # nobody listens: a stale file
+    except OSError as e:  # a full backlog, a timeout, a path too long: not ours to remove
+        raise AgentError(f"api: cannot tell whether an agent serves {path} ({e}); remove it if none does") from None
+    finally:
+        s.close()
+    return True
 
 
 def bind(sock: zmq.Socket, endpoint: str, field: str) -> None:
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as e:
-        raise AgentError(f"{field}: cannot bind {endpoint}: {e}") from None
+        raise AgentError(f"{field}: cannot bind {endpoint}: {e.strerror}; expected an address of this host "
+                         f"that nothing else holds") from None
+
+
+def ipc_identity(endpoint: str) -> tuple[int, int] | None:
+    """(device, inode) of an ipc endpoint's socket file: what :func:`remove_ipc` checks."""
+    if endpoint.startswith("ipc://"):
+        with contextlib.suppress(OSError):
+            st = os.stat(endpoint[len("ipc://"):])
+            return st.st_dev, st.st_ino
+    return None
+
+
+def remove_ipc(endpoint: str, identity: tuple[int, int] | None) -> None:
+    """Remove our socket file at shutdown, unless it is no longer ours (replaced since)."""
+    if identity is not None and ipc_identity(endpoint) == identity:
+        with contextlib.suppress(OSError):
+            os.unlink(endpoint[len("ipc://"):])
 
 
 def open_api(ctx: zmq.Context, endpoint: str, max_bytes: int) -> zmq.Socket:
@@ -92,6 +131,9 @@ def open_api(ctx: zmq.Context, endpoint: str, max_bytes: int) -> zmq.Socket:
     old = os.umask(0o077)  # the local API is for this host's own users only
     try:
         bind(sock, endpoint, "api")
+    except AgentError:
+        sock.close(0)
+        raise
     finally:
         os.umask(old)
     return sock

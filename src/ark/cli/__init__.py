@@ -12,7 +12,9 @@ from collections.abc import Sequence
 import click
 
 from ark.agent.client import ArkClientError
+from ark.agent.incarnation import IncarnationError
 from ark.agent.probe import ProbeError
+from ark.agent.sockets import AgentError
 from ark.cli import (
     agent,
     bench,
@@ -40,7 +42,7 @@ from ark.testbed.fabric import TestbedError
 
 USER_ERRORS = (
     ConfigError, PathMapError, HashError, TopologyError, WorkloadError, SimError, CoreError,
-    ArkClientError, TestbedError, ProbeError, PreloadError, SweepError, FailureError,
+    ArkClientError, TestbedError, ProbeError, PreloadError, SweepError, FailureError, AgentError, IncarnationError,
 )
 
 

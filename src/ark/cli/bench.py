@@ -156,6 +156,28 @@ def bench_flood(rate: float, seconds: float, peer_rate: float, as_json: bool) ->
                         f"{r['agent_cpu_s']} CPU-s, alive {r['alive']}")
 
 
+@bench.command("churn")
+@click.option("--seconds", type=FiniteRange(min=1), default=60.0, show_default=True)
+@click.option("--max-flows-per-host", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
+              help="The cluster's max_flows_per_host.")
+@click.option("--retention", type=FiniteRange(min=1, max=3600), default=5.0, show_default=True, help="retention_s (s).")
+@click.option("--peer-rate", type=FiniteRange(min=10, max=1e7), default=2000.0, show_default=True,
+              help="The agents' peer_rate.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_churn(seconds: float, max_flows_per_host: int, retention: float, peer_rate: float, as_json: bool) -> None:
+    """One engine reserving and releasing back to back on a real 2-agent cluster: sustained
+    cycles/s, refusals and plain-ECMP leases (by reason)."""
+    from ark.agent.bench import churn
+
+    r = churn(seconds, max_flows_per_host, retention, peer_rate)
+    _print_json_or_line(r, as_json, f"{r['cycles']} reserve+release cycles in {r['seconds']} s: {r['cycles_per_s']} "
+                        f"cycles/s (slowest second {r['cycles_per_s_min']}), cycle p50 {r['cycle_ms_p50']} ms, "
+                        f"p99 {r['cycle_ms_p99']} ms, {r['agent_cpu_us_per_cycle']} us of agent CPU per cycle; "
+                        f"{r['refusals']} refused {r['refusal_reasons']}, {r['ecmp']} plain ECMP {r['ecmp_reasons']}; "
+                        f"peer: {r['peer_overflow']} dropped over the owner's share, {r['peer_rate_limited']} "
+                        f"rate limited, {r['peer_gaps']} gaps, {r['peer_sync_applied']} syncs")
+
+
 @bench.command("hostile")
 @click.option("--messages", type=click.IntRange(min=6), default=1_000_000, show_default=True)
 @click.option("--json", "as_json", is_flag=True)

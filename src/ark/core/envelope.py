@@ -1,13 +1,15 @@
-"""The envelope every agent-to-agent message travels in (wire version 2).
+"""The envelope every agent-to-agent message travels in (wire version 3).
 
-``[2, kind, sender, incarnation, seq, payload]`` as a msgpack array:
+``[3, kind, sender, incarnation, seq, payload]`` as a msgpack array:
 
 * ``DATA``     (1): ``[message bytes, signature]``: one RESERVE / RENEW / RELEASE
   (:mod:`ark.core.messages`) and its owner's Ed25519 signature over those bytes (empty
   when the cluster does not sign);
-* ``HELLO``    (2): ``[digest, since, until, sent_at, ahead]``: the sender's digest of
+* ``HELLO``    (2): ``[digest, since, until, sent_at, echoes]``: the sender's digest of
   its own flows ending in ``[since, until)``, its clock when it sent the heartbeat, and
-  the peers whose clocks it measured to be ahead of its own by more than the bound;
+  for up to :data:`MAX_ECHOES` peers ``[peer, that peer's last sent_at, the sender's
+  clock when it arrived]``, from which each of those peers measures its offset to the
+  sender over a round trip (:mod:`ark.core.clock`);
 * ``SYNC_REQ`` (3): ``None``;
 * ``SYNC_REP`` (4): ``[[[message bytes, signature], ...], sent_at, frozen, part, parts]``:
   one part of a snapshot, split so that no envelope exceeds :data:`MAX_ENVELOPE_BYTES`.
@@ -28,12 +30,12 @@ import msgspec
 
 from ark.core.messages import MAX_MESSAGE_BYTES, ProtocolError, VersionError
 
-ENVELOPE_VERSION = 2
+ENVELOPE_VERSION = 3
 K_DATA, K_HELLO, K_SYNC_REQ, K_SYNC_REP = 1, 2, 3, 4
 KINDS = (K_DATA, K_HELLO, K_SYNC_REQ, K_SYNC_REP)
 MAX_ENVELOPE_BYTES = 1 << 20
 SIGNATURE_BYTES = 64
-MAX_AHEAD_LIST = 4096
+MAX_ECHOES = 64
 _U32 = 0xFFFFFFFF
 _U63 = 2**63 - 1
 _ITEM_BYTES = MAX_MESSAGE_BYTES + SIGNATURE_BYTES + 16
@@ -108,7 +110,8 @@ _Signed = tuple[_Bin, Annotated[bytes, msgspec.Meta(max_length=SIGNATURE_BYTES)]
 _Frozen = tuple[Annotated[int, msgspec.Meta(ge=0, le=_U32)], Annotated[int, msgspec.Meta(ge=0, le=_U63)],
                 Annotated[int, msgspec.Meta(ge=-1, le=0xFFFF)], bool]
 _Digest = Annotated[bytes, msgspec.Meta(min_length=8, max_length=8)]
-_Ahead = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=_U32)]], msgspec.Meta(max_length=MAX_AHEAD_LIST)]
+_Echoes = Annotated[list[tuple[Annotated[int, msgspec.Meta(ge=0, le=_U32)], _Time, _Time]],
+                   msgspec.Meta(max_length=MAX_ECHOES)]
 
 
 class _Wire(msgspec.Struct, array_like=True):
@@ -123,8 +126,8 @@ class _Wire(msgspec.Struct, array_like=True):
 _WIRE = msgspec.msgpack.Decoder(_Wire)
 _PAYLOADS: dict[int, tuple[msgspec.msgpack.Decoder[Any], str]] = {
     K_DATA: (msgspec.msgpack.Decoder(_Signed), "data needs [message bytes, signature]"),
-    K_HELLO: (msgspec.msgpack.Decoder(tuple[_Digest, _Time, _Time, _Time, _Ahead]),
-              "hello needs [8-byte digest, since, until, sent_at, [host ids]]"),
+    K_HELLO: (msgspec.msgpack.Decoder(tuple[_Digest, _Time, _Time, _Time, _Echoes]),
+              "hello needs [8-byte digest, since, until, sent_at, [[host, sent_at, arrival]...]]"),
     K_SYNC_REQ: (msgspec.msgpack.Decoder(None), "sync request carries nothing"),
     K_SYNC_REP: (msgspec.msgpack.Decoder(tuple[
         Annotated[list[_Signed], msgspec.Meta(max_length=SYNC_ITEMS_PER_PART)], _Time,
@@ -180,7 +183,7 @@ def _signed_ok(p: SignedMessage) -> bool:
 
 
 def _hello_ok(p: Any) -> bool:
-    return _finite(p[1]) and _finite(p[2]) and _finite(p[3])
+    return _finite(p[1]) and _finite(p[2]) and _finite(p[3]) and all(_finite(e[1]) and _finite(e[2]) for e in p[4])
 
 
 def _sync_reply_ok(p: Any) -> bool:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -76,6 +76,14 @@ __all__ = [
 Signer = Callable[[bytes], bytes]  # message bytes -> this host's signature
 Verifier = Callable[[int, bytes, bytes], bool]  # (owner host, message bytes, signature) -> valid?
 _KIND = {Reserve: 0, Renew: 1, Release: 2}
+# Why a lease is plain ECMP (Lease.fallback), beside the core's (ark.core.protocol).
+CLOCK_SKEWED = "clock skewed"
+OUT_OF_SCOPE = "out of scope"
+RACE_LOST = "race lost"  # reserved, then a smaller key took every path (or its path's last port)
+# Leases beyond max_local_flows are kept nowhere: bit 62 of the seq marks one, and the bits
+# below hold its destination, destination port and source port, so that renew, lease and
+# release answer from the id alone. Kept flows' seqs (incarnation << 32) stay below it.
+_UNTRACKED = 1 << 62
 
 
 class NotReady(CoreError):
@@ -108,6 +116,9 @@ class Lease(NamedTuple):
     flow_label: int | None  # None: the port range is outside what a flow label can reach
     expires: float
     reserved: bool
+    # Why the flow is plain ECMP ("" when reserved): "no free path", "clock skewed",
+    # "out of scope", "same leaf", "cap: ..." (a limit of this host, see NodeLimits).
+    fallback: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,12 +142,16 @@ class PeerState:
     have: int = 0  # every message up to this one is applied (directly or by a sync)
     ahead: set[int] = field(default_factory=set)  # applied, above a hole
     last_heard: float = -math.inf
+    blind: bool = False  # heard nothing from it for longer than the retention: messages may be lost for good
     synced: bool = False
     sync_sent: float | None = None
     retry_s: float = 0.0  # wait before asking again: doubles while requests go unanswered
     served_at: float = -math.inf  # last sync reply we sent it
     reply_seq: int | None = None  # the reply being received in parts: its seq ...
     reply_next: int = 0  # ... and the part expected next
+
+    def incarnation_or(self, default: int) -> int:
+        return default if self.incarnation is None else self.incarnation
 
 
 @dataclass
@@ -145,6 +160,7 @@ class _Local:
     dport: int
     nbytes: int
     expires: float
+    why: str = ""  # why it got no reservation when reserved ("" if it got one)
 
 
 @dataclass
@@ -155,6 +171,7 @@ class NodeCounters:
     wrong_version: int = 0  # of those: an envelope or message of another wire version
     out_of_window: int = 0  # of those: a timestamp or lease outside what this node accepts
     forged: int = 0  # relayed messages without their owner's valid signature
+    replayed: int = 0  # relayed messages of an owner's earlier incarnation, refused
     dropped: int = 0  # duplicates and old sequence numbers
     gaps: int = 0
     sync_requests: int = 0
@@ -165,7 +182,10 @@ class NodeCounters:
     predecessor_releases: int = 0  # our host's flows from before a restart, released
     local_expired: int = 0
     fenced_requests: int = 0  # reservations refused (plain ECMP) while the clock is skewed
+    skewed_owner: int = 0  # peer reservations refused: we measured the owner's clock off
     out_of_scope: int = 0  # requests or peer reservations outside this host's scope (plain ECMP / dropped)
+    untracked: int = 0  # requests beyond max_local_flows: plain ECMP leases kept nowhere
+    frozen_conflicts: int = 0  # peers' frozen-assignment claims refused: contradicted or not ours to take
 
 
 class Node:
@@ -228,6 +248,16 @@ class Node:
         self._in_scope: dict[tuple[int, int], bool] = {}
         self._sigs: dict[FlowId, dict[int, tuple[bytes, bytes, float]]] = {}  # what we can relay, signed
         self._frozen_votes: dict[FlowId, dict[int, tuple[int | None, bool]]] = {}  # peer -> its frozen assignment
+        self._adopted: set[FlowId] = set()  # assignments taken from peers' claims
+        # Reservations that started at or after _complete_from can be recomputed here: every
+        # peer's snapshot since held all that overlapped them. _joined_from is where that
+        # began (the first completed sync); _complete_from moves later only after this
+        # replica heard nothing from a peer for longer than the retention (it may have
+        # missed what the others have since forgotten). Both inf until the first sync.
+        self._joined_from = self._complete_from = math.inf
+        self.alerts: deque[dict[str, Any]] = deque(maxlen=64)  # refused claims, one per reply part, for the log
+        self._merging = 0  # reply parts merged (tells one part's alerts from the next's)
+        self._skew_refused: dict[FlowId, None] = {}  # reservations refused for their owner's clock (bounded)
         self._sigs_pruned = -math.inf
         self._started_at: float | None = None
         self._out_seq = 0
@@ -296,26 +326,31 @@ class Node:
     def reserve(
         self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None
     ) -> tuple[Lease, list[Output]]:
+        """A lease for a new local flow; plain ECMP (``Lease.fallback`` says why) whenever
+        it cannot be reserved, a cap of this host included: only an invalid request or a
+        node still resynchronising raises."""
         if not self.ready:
             raise NotReady("node: resynchronising with peers; retry shortly")
         if len(self._local) >= self.limits.max_local_flows:
-            raise CoreError(f"flows: {len(self._local)} local flows are live (the limit); release some first")
+            self.counters.untracked += 1
+            return self._untracked_lease(dst, dport, *self.core.ecmp_port(dst, dport), now), []
         in_scope = self._covers(self.host, dst)
-        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=in_scope and not self.skewed)
+        fence = "" if in_scope and not self.skewed else CLOCK_SKEWED if in_scope else OUT_OF_SCOPE
+        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=not fence, why=fence)
         if not in_scope:
             self.counters.out_of_scope += 1
         elif self.skewed and self.core.routes.stages(self.host, dst):  # a flow within a leaf reserves nothing anyway
             self.counters.fenced_requests += 1
         self.events.extend(dec.events)
         expires = self._expiry(dec.flow, now, nbytes)
-        self._local[dec.flow] = _Local(dst, dport, nbytes, expires)
+        self._local[dec.flow] = _Local(dst, dport, nbytes, expires, dec.why)
         return self._lease(dec.flow), self._publish(dec.messages)
 
     def renew(self, flow: FlowId, now: float) -> tuple[Lease, list[Output]]:
         flow = self.resolve(flow)
         lo = self._local.get(flow)
         if lo is None:
-            raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
+            return self._untracked_of(flow, now), []
         msgs = self.core.renew(flow, now)
         self.events.extend(self.core.flush())
         lo.expires = self._expiry(flow, now, lo.nbytes)
@@ -327,21 +362,45 @@ class Node:
         while old in self._alias:  # the owner is done with the whole chain
             old = self._alias.pop(old)
         if flow not in self._local:
-            raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
+            self._untracked_of(flow, now)  # kept nowhere: nothing to release
+            return []
         return self._release(flow, now)
 
-    def lease_of(self, flow: FlowId) -> Lease:
+    def lease_of(self, flow: FlowId, now: float = 0.0) -> Lease:
+        """The flow's lease as it stands (``now`` dates an untracked lease's expiry)."""
         flow = self.resolve(flow)
         if flow not in self._local:
-            raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
+            return self._untracked_of(flow, now)
         return self._lease(flow)
 
     def more_ports(self, flow: FlowId, n: int) -> list[int]:
-        """Up to ``n`` more ports of the flow's current path, held until it is released."""
+        """Up to ``n`` more ports of the flow's current path, held until it is released
+        or moves (bounded per flow, see :meth:`ArkCore.more_ports`)."""
         flow = self.resolve(flow)
         if flow not in self._local:
-            raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
+            self._untracked_of(flow, 0.0)
+            return []  # an untracked lease holds no port: none to add
         return self.core.more_ports(flow, n)
+
+    def _untracked_lease(self, dst: int, dport: int, path: int, port: int, now: float) -> Lease:
+        """Plain ECMP beyond ``max_local_flows``, kept nowhere: the id holds what a renew,
+        a lease or a release needs, and the lease never lapses here (the longest one)."""
+        seq = _UNTRACKED | dst << 32 | dport << 16 | port
+        return Lease((self.host, seq), dst, path, port, flow_label_for_sport(port), now + self.lease.max_s, False,
+                     f"cap: {self.limits.max_local_flows} live local flows")
+
+    def _untracked_of(self, flow: FlowId, now: float) -> Lease:
+        """The lease of an untracked flow id (see :meth:`_untracked_lease`); any other id
+        that names no local flow is an error."""
+        owner, seq = flow
+        dst, dport, port = seq >> 32 & 0x3FFF_FFFF, seq >> 16 & 0xFFFF, seq & 0xFFFF
+        if owner != self.host or not seq & _UNTRACKED or not 0 <= dst < self.core.routes.n_hosts or dst == self.host:
+            raise CoreError(f"flow: {flow} is not an active local flow (released or expired)")
+        return self._untracked_lease(dst, dport, self.core.port_path(dst, dport, port), port, now)
+
+    def holds(self, flow: FlowId) -> bool:
+        """Is ``flow`` a live local flow this node keeps (not an untracked ECMP lease)?"""
+        return flow in self._local
 
     def local_flows(self) -> list[FlowId]:
         return list(self._local)
@@ -419,7 +478,7 @@ class Node:
         if st.incarnation is not None and env.incarnation < st.incarnation:
             self.counters.dropped += 1  # a delayed message from before the peer restarted
             return None
-        st.last_heard = now
+        self._heard(st, now)
         if not st.synced and st.retry_s > self.sync_timeout_s:
             st.retry_s = self.sync_timeout_s  # it is back: the next retry comes soon
         if st.incarnation == env.incarnation:
@@ -430,21 +489,26 @@ class Node:
         st.reply_seq = None
         return self._request_sync(peer, now, urgent=True)
 
+    def _heard(self, st: PeerState, now: float) -> None:
+        if now - st.last_heard > self.core.retention_s - self.limits.max_clock_offset_s and st.last_heard > -math.inf:
+            st.blind = True
+        st.last_heard = now
+
     def _on_hello(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
-        digest, since, until, sent_at, ahead = env.payload
+        digest, since, until, sent_at, echoes = env.payload
         w = self.window_s
         if not (abs(sent_at - now) <= w and now - 3 * w <= since <= until <= now + w):
             self.counters.invalid += 1
             self.counters.out_of_window += 1
             if st.incarnation is None or env.incarnation >= st.incarnation:
                 # A clock this far off is what the clock watch is there to judge: take the
-                # sample (and the peer's list of clocks ahead of its own), nothing else.
-                self.clock.hello(peer, now, sent_at, ahead, self.host)
+                # sample (and the round trip it may close), nothing else.
+                self.clock.hello(peer, now, sent_at, echoes, self.host)
             return []
         out = self._contact(peer, st, env, now)
         if out is None:
             return []
-        self.clock.hello(peer, now, sent_at, ahead, self.host)
+        self.clock.hello(peer, now, sent_at, echoes, self.host)
         st.last_seq = max(st.last_seq, env.seq)
         if env.seq > st.have and st.synced:
             self.counters.gaps += 1
@@ -483,26 +547,38 @@ class Node:
             st.synced = False
             out.extend(self._request_sync(peer, now))
         raw, sig = env.payload
-        self._apply_published(peer, raw, sig, now)
+        if self._apply_published(peer, raw, sig, now):
+            # The owner releases a flow of its earlier incarnation that we never held: some
+            # peer holds it, and so does the owner now; its snapshot brings both messages.
+            out.extend(self._request_sync(peer, now))
         return out
 
-    def _apply_published(self, peer: int, raw: bytes, sig: bytes, now: float) -> None:
+    def _apply_published(self, peer: int, raw: bytes, sig: bytes, now: float) -> bool:
+        """Apply a message its owner published; True when it releases a flow this replica
+        does not hold but should (of the owner's earlier incarnation, or refused here for the
+        owner's clock): the caller then asks the owner for its snapshot."""
         try:
             msg = decode(raw)
         except ProtocolError as e:
             self._count_invalid(e)
-            return
-        if not self._timely(msg, now, direct=True):
-            return
-        if not self._in_our_scope(msg):
-            return
+            return False
+        if not self._timely(msg, now, direct=True) or not self._in_our_scope(msg):
+            return False
+        if (isinstance(msg, Release) and msg.flow[0] == peer and not self.core.knows(msg.flow)
+                and ((msg.flow[1] >> 32) < self.peers[peer].incarnation_or(0) or msg.flow in self._skew_refused)):
+            self._skew_refused.pop(msg.flow, None)
+            self.core.receive(msg, now, sender=peer, defer=True)
+            return True
         before = self.core.counters.invalid
         self.events.extend(self.core.receive(msg, now, sender=peer, defer=True))
         if self.core.counters.invalid > before:
-            return  # the core counted it (the node's count is of what never reached the core)
+            return False  # the core counted it (the node's count is of what never reached the core)
+        if not self.core.knows(msg.flow):
+            return False  # dropped (over the owner's share, stale): nothing to relay, no signature to keep
         self._keep_signature(msg, raw, sig)
         if isinstance(msg, Reserve):
             self.propagation_s.append(now - msg.ts)
+        return False
 
     def _in_our_scope(self, msg: Message) -> bool:
         """A reservation outside our scope (of links we cannot hold) is refused and counted."""
@@ -525,15 +601,40 @@ class Node:
                 self._in_scope[key] = ok
         return ok
 
-    def _timely(self, msg: Message, now: float, *, direct: bool) -> bool:
-        """Timestamps near our clock (old ones too, for a snapshot) and leases within the cap."""
+    def _timely(self, msg: Message, now: float, *, direct: bool, released: Collection[FlowId] = ()) -> bool:
+        """Timestamps near our clock (old ones too, for a snapshot) and leases within the cap;
+        no new reservation of an owner whose clock we measured off (see :meth:`_clock_fenced`)."""
         ok = msg.ts <= now + self.window_s and (not direct or msg.ts >= now - self.window_s)
         if ok and isinstance(msg, Reserve | Renew):
             ok = self.lease.accepts(msg.ts, msg.expires)
         if not ok:
             self.counters.invalid += 1
             self.counters.out_of_window += 1
-        return ok
+            return False
+        return not (isinstance(msg, Reserve) and msg.flow not in released and self._clock_fenced(msg, now))
+
+    def _clock_fenced(self, msg: Reserve, now: float) -> bool:
+        """Refuse a reservation whose owner's clock we measured further than the bound
+        from ours, unless we are the skewed one: its timestamp and lease would mean other
+        instants here than on its owner, whatever the owner believes of its clock.
+
+        A replica that measured the owner sooner than another refuses what the other
+        took; the owner, fenced by the same majority, releases it, and its RELEASE makes
+        this replica fetch the pair from the owner (:meth:`_apply_published`), so that the
+        replicas agree again (one already released is taken, see :meth:`_merge`)."""
+        owner = msg.flow[0]
+        # Beyond twice the bound: two hosts each within the bound of the majority may be
+        # that far apart, and neither is fenced; one beyond it is off for the majority too,
+        # which fences it, and its RELEASE then reconciles the replicas.
+        if owner == self.host or not self.clock.off(owner, 2.0) or self.core.knows(msg.flow):
+            return False  # one already held stays until its owner gives it up
+        if self.skewed or not self.clock.trusted(now):
+            return False  # our own clock is not backed by a majority: not ours to judge
+        self.counters.skewed_owner += 1
+        self._skew_refused[msg.flow] = None
+        if len(self._skew_refused) > self.limits.max_ahead:
+            del self._skew_refused[next(iter(self._skew_refused))]
+        return True
 
     def _on_sync_request(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
         st.last_heard = now
@@ -552,7 +653,7 @@ class Node:
         ]
 
     def _on_sync_reply(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
-        st.last_heard = now
+        self._heard(st, now)
         if st.sync_sent is None or (st.incarnation is not None and env.incarnation < st.incarnation):
             self.counters.dropped += 1  # unsolicited or stale reply
             return []
@@ -593,7 +694,8 @@ class Node:
             "local_flows": len(self._local),
             "digest": self.core.digest(),
             "clock": {"offset_s": self.clock.estimate(), "skewed": bool(self.skewed), "why": self.skewed,
-                      "bound_s": self.limits.max_clock_offset_s, "ahead_of_us": self.clock.ahead_of_us()},
+                      "bound_s": self.limits.max_clock_offset_s, "ahead_of_us": self.clock.ahead_of_us(),
+                      "behind_us": self.clock.behind_us()},
             "node": vars(self.counters).copy(),
             "core": vars(self.core.counters).copy(),
         }
@@ -609,7 +711,10 @@ class Node:
 
     def _lease(self, flow: FlowId) -> Lease:
         dst, path, port, reserved = self.core.local_flows()[flow]
-        return Lease(flow, dst, path, port, flow_label_for_sport(port), self._local[flow].expires, reserved)
+        lo = self._local[flow]
+        # Reserved at first and no longer: a skewed clock gave it up, or a race took it.
+        why = "" if reserved else lo.why or (CLOCK_SKEWED if self.skewed else RACE_LOST)
+        return Lease(flow, dst, path, port, flow_label_for_sport(port), lo.expires, reserved, why)
 
     def _release(self, flow: FlowId, now: float) -> list[Output]:
         self._local.pop(flow, None)
@@ -649,6 +754,7 @@ class Node:
             del self._sigs[f]
         for f in [f for f in self._frozen_votes if not self.core.knows(f)]:
             del self._frozen_votes[f]
+            self._adopted.discard(f)
 
     def _hello(self, now: float) -> list[Output]:
         self._next_hello = now + self.heartbeat_s
@@ -657,7 +763,8 @@ class Node:
         since = float(now - self.core.retention_s / 2)
         until = float(now - self.digest_lag_s)
         payload = [self.core.state_digest(since, until, owner=self.host), since, until, float(now),
-                   self.clock.ahead_of_us()]
+                   self.clock.echoes(now)]
+        self.clock.sent(float(now))
         return [Publish(encode_envelope(K_HELLO, self.host, self.incarnation, self._out_seq, payload))]
 
     def _request_sync(self, peer: int, now: float, *, urgent: bool = False, retry: bool = False) -> list[Output]:
@@ -701,42 +808,98 @@ class Node:
     def _merge(self, peer: int, items: list[list[bytes]], frozen: list[list[Any]], now: float) -> None:
         """Apply one part of a peer's snapshot: messages we may take from it, then the
         assignments it can no longer recompute for its own flows."""
-        msgs: list[tuple[Message, bytes, bytes]] = []
+        decoded: list[tuple[Message, bytes, bytes]] = []
         for raw, sig in items:
             try:
-                m = decode(raw)
+                decoded.append((decode(raw), raw, sig))
             except ProtocolError as e:
                 self._count_invalid(e)
-                continue
-            if self._takes(peer, m, raw, sig) and self._timely(m, now, direct=False) and self._in_our_scope(m):
-                msgs.append((m, raw, sig))
+        released = {m.flow for m, _r, _s in decoded if isinstance(m, Release)}
+        msgs = [(m, raw, sig) for m, raw, sig in decoded
+                if self._takes(peer, m, raw, sig, released) and self._timely(m, now, direct=False, released=released)
+                and self._in_our_scope(m)]
         for m, raw, sig in _merge_order(msgs):
             self.core.receive(m, now, sender=m.flow[0], defer=True)
             self._keep_signature(m, raw, sig)
         self.events.extend(self.core.flush())
-        agreed, owners = self._vote_frozen(peer, frozen)
-        if agreed:
-            self.events.extend(self.core.adopt(agreed, owners))
+        self._merging += 1
+        decided = self._vote_frozen(peer, frozen)
+        if decided:
+            self.events.extend(self.core.adopt(decided))
 
-    def _vote_frozen(self, peer: int, frozen: list[list[Any]]) -> tuple[dict[FlowId, tuple[int | None, bool]], set[FlowId]]:
-        """Assignments the peer can no longer recompute (an overlapping reservation was
-        forgotten there), to take as they are, and the flows among them whose owner spoke.
-        A joiner cannot check them, so a peer's word is taken; the flow's owner's word, once
-        heard, wins over any other peer's (even one taken before)."""
-        agreed: dict[FlowId, tuple[int | None, bool]] = {}
-        owners: set[FlowId] = set()
+    def _vote_frozen(self, peer: int, frozen: list[list[Any]]) -> dict[FlowId, tuple[int | None, bool] | None]:
+        """Record a peer's claims about assignments it can no longer recompute, and decide,
+        per flow, what this replica takes (see :meth:`_trusted`).
+
+        A claim is one peer's word and counts as one vote. It is never taken for a
+        reservation this replica can recompute itself (it saw every message around it), nor
+        for one it froze itself; a claim that contradicts what this replica knows or what the
+        others say is counted (``frozen_conflicts``) and reported (:attr:`alerts`)."""
+        decided: dict[FlowId, tuple[int | None, bool] | None] = {}
         for o, q, p, sh in frozen:
             f = (o, q)
-            if not self.core.knows(f):
+            held = self.core.assignment(f)
+            if held is None:
+                continue
+            claim = (None if p < 0 else p, sh)
+            ts, is_frozen, path, shared = held
+            if ts >= self._complete_from or (is_frozen and f not in self._adopted):
+                if claim != (path, shared):
+                    self._conflict(peer, f, claim, (path, shared))
                 continue
             votes = self._frozen_votes.setdefault(f, {})
-            votes[peer] = (None if p < 0 else p, sh)
-            agreed[f] = votes.get(o, votes[peer])
-            if o in votes:
-                owners.add(f)
-        return agreed, owners
+            votes[peer] = claim
+            value = self._trusted(f, votes, owners_word=ts < self._joined_from)
+            if claim != value and len(set(votes.values())) > 1:
+                self._conflict(peer, f, claim, value)  # it disagrees with another peer's word
+            if value is None and f not in self._adopted:
+                continue  # nothing taken before, nothing to thaw
+            if value is None:
+                self._adopted.discard(f)
+            else:
+                self._adopted.add(f)
+            decided[f] = value
+        return decided
 
-    def _takes(self, peer: int, m: Message, raw: bytes, sig: bytes) -> bool:
+    def _trusted(self, f: FlowId, votes: dict[int, tuple[int | None, bool]], *,
+                 owners_word: bool) -> tuple[int | None, bool] | None:
+        """The claimed assignment this replica may take, or None (recompute it here).
+
+        Taken: what more than half of the listed peers claim; else, for a reservation that
+        started before this replica joined (``owners_word``), what its owner claims (the
+        owner sends on the path it believes it holds, and a joiner has nothing better).
+        A reservation that became unrecomputable only because this replica went blind for
+        a while (see ``_complete_from``) needs the majority: a peer that stays silent and
+        comes back cannot make its own word count. A lying peer is one vote: it can neither
+        move another host's reservation alone nor outvote the honest peers that froze it."""
+        counts: dict[tuple[int | None, bool], int] = {}
+        for claim in votes.values():
+            counts[claim] = counts.get(claim, 0) + 1
+        best = max(counts.items(), key=lambda kv: kv[1])
+        if 2 * best[1] > len(self.peers):
+            return best[0]
+        return votes.get(f[0]) if owners_word else None
+
+    def _conflict(self, peer: int, f: FlowId, claim: tuple[int | None, bool],
+                  known: tuple[int | None, bool] | None) -> None:
+        """Count a refused claim; report the first of each reply part (a liar can send
+        thousands a part: one log line each would be a flood of its own)."""
+        self.counters.frozen_conflicts += 1
+        last = self.alerts[-1] if self.alerts else None
+        if last is not None and last.get("part_of") == self._merging:
+            last["count"] += 1
+            return
+        self.alerts.append({"event": "frozen_claim_refused", "peer": peer, "flow": list(f), "claim": list(claim),
+                            "known": None if known is None else list(known), "count": 1, "part_of": self._merging})
+
+    def _takes(self, peer: int, m: Message, raw: bytes, sig: bytes, released: set[FlowId]) -> bool:
+        """May this snapshot item be taken? The peer's own messages, ours, and a third host's
+        only with its owner's signature, while that owner is not synced with us (it speaks for
+        its current flows itself), and, for a flow of an owner's earlier incarnation that we do
+        not hold, only together with its RELEASE: the restarted owner releases every flow of
+        its predecessor it learns of, so one without a RELEASE is either about to be released
+        (the owner's RELEASE then brings it here, see :meth:`_on_data`) or a replay of one the
+        cluster has forgotten."""
         owner = m.flow[0]
         if owner == peer:
             return True
@@ -746,6 +909,10 @@ class Node:
                 return False
             if other.synced and (m.flow[1] >> 32) == other.incarnation:
                 return False  # a live, synced owner speaks for its own flows
+            if ((m.flow[1] >> 32) < other.incarnation_or(0) and not isinstance(m, Release)
+                    and m.flow not in released and not self.core.knows(m.flow)):
+                self.counters.replayed += 1
+                return False
         if self._verify is not None and not (sig and self._verify(owner, raw, sig)):
             self.counters.forged += 1
             return False
@@ -755,7 +922,14 @@ class Node:
         if st.incarnation != env.incarnation:
             st.incarnation, st.last_seq, st.have = env.incarnation, 0, 0
             st.ahead.clear()
-        # The snapshot covers everything the peer sent up to env.seq.
+        # The snapshot covers everything the peer sent up to env.seq, and every reservation
+        # the peer still held: it forgot only those that ended a retention ago on its clock.
+        horizon = now - self.core.retention_s + self.limits.max_clock_offset_s
+        if self._joined_from == math.inf:
+            self._joined_from = self._complete_from = horizon
+        elif st.blind:
+            self._complete_from = max(self._complete_from, horizon)
+        st.blind = False
         st.have = max(st.have, env.seq)
         self._advance(st)
         st.last_seq = max(st.last_seq, st.have)

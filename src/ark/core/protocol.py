@@ -40,7 +40,9 @@ harness checks this).
 Requests (owner side)
 ---------------------
 * ``ark`` (the paper): lowest-index free path; none free -> a random source port (plain
-  ECMP), nothing reserved, nothing broadcast.
+  ECMP), nothing reserved, nothing broadcast. So is a request at a cap of the host
+  (:class:`CoreLimits`: live reservations, or what peers may retain of it): only an
+  invalid request raises; ``Decision.why`` says why a flow holds no reservation.
 * ``ark-balance``: as ``ark`` while a path is free; when none is, the path whose busiest
   link carries the fewest reserved bytes still to send (tie: lowest index).
   That flow is recorded as a shared reservation so later decisions see its bytes. A
@@ -76,12 +78,12 @@ table change touched (:meth:`ArkCore.sync`, :meth:`ArkCore.resync`).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ark.core.messages import FlowId, Key, Message, Release, Renew, Reserve
-from ark.core.pathmap import PathMap, PortBuckets
+from ark.core.pathmap import PathMap, PathMapError, PortBuckets
 from ark.core.roce import flow_label_for_sport
 from ark.core.table import (
     INF,
@@ -104,6 +106,15 @@ __all__ = [
 
 PathMaps = Callable[[int, int, int], PathMap]  # (src, dst, dport) -> map
 LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seconds
+
+# Why a flow holds no reservation (Decision.why): the flow then goes out as plain ECMP.
+SAME_LEAF = "same leaf"  # nothing to reserve
+NO_FREE_PATH = "no free path"
+NOT_RESERVING = "not reserving"  # request(reserve=False) without a reason of the caller's
+# more_ports: extra ports one flow may hold, and never more than 1/MORE_PORTS_SHARE of its
+# path's bucket, so that one flow cannot take every port of a path from the flows after it.
+MORE_PORTS_PER_FLOW = 64
+MORE_PORTS_SHARE = 8
 
 
 @dataclass(slots=True)
@@ -147,6 +158,7 @@ class Decision(NamedTuple):
     fallback: bool
     messages: tuple[Message, ...]
     events: tuple[Repath, ...] = ()
+    why: str = ""  # why the flow holds no reservation ("" when it does), e.g. NO_FREE_PATH
 
 
 class Released(NamedTuple):
@@ -199,6 +211,7 @@ class ArkCore:
         self.counters = Counters()
         self._shared = table is not None
         self.limits = limits or (table.limits if table is not None else CoreLimits.unbounded())
+        self._owner_retained = self.limits.owner_retained  # read on every request (see _capped)
         self._table = table if table is not None else ReservationTable(
             routes, policy=policy, retention_s=retention_s, expiry_grace_s=expiry_grace_s, counters=self.counters,
             limits=self.limits, bookkeeping_grid=bookkeeping_grid)
@@ -211,6 +224,8 @@ class ArkCore:
         self._seq_base = seq_base
         self._lease = lease
         self._own: dict[FlowId, _Own] = {}
+        # Local flows whose RESERVE is not released: what max_flows_per_host bounds.
+        self._unreleased: set[FlowId] = set()
         self._buckets: dict[tuple[int, int], PortBuckets] = {}
         # Peers with no port in use, oldest first: beyond max_idle_peers their buckets go,
         # all but their round-robin cursors (the map comes back from whoever supplies maps),
@@ -260,7 +275,7 @@ class ArkCore:
 
     def request(
         self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,
-        *, reserve: bool = True, avoid: int = 0,
+        *, reserve: bool = True, avoid: int = 0, why: str = NOT_RESERVING,
     ) -> Decision:
         """Pick a path and source port for a new flow to ``dst`` and reserve it.
 
@@ -268,14 +283,11 @@ class ArkCore:
         re-pathed flow then needs no new connection). ``reserve=False``: a random port,
         nothing reserved (plain ECMP; a host whose clock cannot be trusted does this).
         ``avoid``: a bit mask of paths to stay off while other usable paths remain (the
-        parts of one ``ark-split`` transfer).
+        parts of one ``ark-split`` transfer). ``why``: the reason a ``reserve=False`` flow
+        reports (``Decision.why``). A host at a cap of its own (:meth:`_capped`) gets plain
+        ECMP too, never an error: only an invalid request raises.
         """
-        if not 0 <= dst < self._n_hosts or dst == self.host:
-            raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
-        if nbytes < 0:
-            raise CoreError(f"nbytes: must be >= 0; got {nbytes}")
-        if not 0 <= dport <= 0xFFFF:
-            raise CoreError(f"dport: must be 0..65535; got {dport}")
+        self._check_request(dst, nbytes, dport)
         self._settle()
         self.counters.requests += 1
         self._seq += 1
@@ -283,13 +295,13 @@ class ArkCore:
         buckets = self._bucket(dst, dport)
         stages = self._table.stage_list(self.host, dst)
         if not stages:  # intra-leaf: nothing to choose, nothing to reserve
-            return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False)
+            return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False, why=SAME_LEAF)
         n = len(stages[0])
-        if not reserve:
-            port = self._random_port(buckets)
-            return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
-        if self._table.owner_count(self.host) >= self.limits.max_flows_per_host:
-            raise CoreError(f"flows: this host holds {self.limits.max_flows_per_host} reservations (the limit)")
+        capped = self._capped() if reserve else ""
+        if capped:
+            self.counters.capped += 1
+        if capped or not reserve:
+            return self._ecmp(flow, dst, dport, buckets, capped or why)
         usable = buckets.usable_mask & ~avoid or buckets.usable_mask if avoid else buckets.usable_mask
         if prefer_port is None and not self._pending:  # the usual request: the stage masks answer
             sids = self._sids.get(dst) or self._stage_ids(dst)
@@ -300,15 +312,49 @@ class ArkCore:
         if path is None:
             self.counters.fallbacks += 1
             if self.policy == "ark":
-                port = self._random_port(buckets)
-                return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True)
+                return self._ecmp(flow, dst, dport, buckets, NO_FREE_PATH)
             self.counters.shared += 1
             # A path no known source port reaches (a probed map after a link failure) is not usable.
             path, shared = self._balance_choice(stages, n, now, usable), True
         if pinned is not None:
             buckets.claim(pinned)
-        port = pinned if pinned is not None else buckets.take(path)
+            port = pinned
+        else:
+            try:
+                port = buckets.take(path)
+            except PathMapError:  # every port of the path is held by live flows: nothing to reserve with
+                self.counters.fallbacks += 1
+                return self._ecmp(flow, dst, dport, buckets, f"no free port on path {path}")
         return self._reserve(flow, dst, dport, path, port, int(nbytes), float(now), shared)
+
+    def _check_request(self, dst: int, nbytes: int, dport: int) -> None:
+        """An invalid request: the only kind :meth:`request` refuses."""
+        if not 0 <= dst < self._n_hosts or dst == self.host:
+            raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
+        if nbytes < 0:
+            raise CoreError(f"nbytes: must be >= 0; got {nbytes}")
+        if not 0 <= dport <= 0xFFFF:
+            raise CoreError(f"dport: must be 0..65535; got {dport}")
+
+    def _capped(self) -> str:
+        """Why this host may not reserve more now ("" when it may).
+
+        Live reservations are bounded by ``max_flows_per_host``; released ones do not
+        count. What peers bound is every retained reservation of ours (ended ones until
+        forgotten): we stop ``max_flows_per_host`` short of that (``owner_retained``), so a
+        peer that forgets later than we do still takes every RESERVE we send.
+        """
+        lim = self.limits
+        if len(self._unreleased) >= lim.max_flows_per_host:
+            return f"cap: {lim.max_flows_per_host} live reservations"
+        if self._table.owner_count(self.host) >= self._owner_retained:
+            return f"cap: {self._owner_retained} reservations retained"
+        return ""
+
+    def _ecmp(self, flow: FlowId, dst: int, dport: int, buckets: PortBuckets, why: str) -> Decision:
+        """Plain ECMP: a random source port of the map, nothing reserved, nothing broadcast."""
+        port = self._random_port(buckets)
+        return self._unreserved(flow, dst, dport, buckets.map.path_of(port), port, fallback=True, why=why)
 
     def _free_path(
         self, dst: int, n: int, buckets: PortBuckets, prefer_port: int | None, now: float, usable: int
@@ -336,10 +382,12 @@ class ArkCore:
         sids = self._sids[dst] = self._table.pair_sids(self.host, dst)
         return sids
 
-    def _unreserved(self, flow: FlowId, dst: int, dport: int, path: int, port: int, *, fallback: bool) -> Decision:
+    def _unreserved(
+        self, flow: FlowId, dst: int, dport: int, path: int, port: int, *, fallback: bool, why: str
+    ) -> Decision:
         self._own[flow] = _Own(flow, dst, dport, path, port, False)
-        return Decision(flow, dst, dport, path, port, flow_label_for_sport(port),
-                        reserved=False, shared=False, fallback=fallback, messages=(), events=tuple(self.flush()))
+        return Decision(flow, dst, dport, path, port, flow_label_for_sport(port), reserved=False, shared=False,
+                        fallback=fallback, messages=(), events=tuple(self.flush()), why=why)
 
     def _reserve(
         self, flow: FlowId, dst: int, dport: int, path: int, port: int, nbytes: int, now: float, shared: bool
@@ -350,6 +398,7 @@ class ArkCore:
         expires = now + self._lease(nbytes, rate) if self._lease else INF
         msg = Reserve(flow, now, self.host, dst, dport, path, port, nbytes, rate, shared, expires)
         self._own[flow] = _Own(flow, dst, dport, path, port, True)
+        self._unreleased.add(flow)
         self.counters.reserved += 1
         if self._shared:
             self._pending.append(msg)
@@ -369,7 +418,7 @@ class ArkCore:
         return Decision(
             flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
             reserved=own.reserved, shared=shared, fallback=shared or not own.reserved,
-            messages=(msg,), events=events,
+            messages=(msg,), events=events, why="" if own.reserved else NO_FREE_PATH,  # lost at once
         )
 
     def select_path(self, dst: int) -> int | None:
@@ -385,6 +434,7 @@ class ArkCore:
         own = self._own.pop(flow, None)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
+        self._unreleased.discard(flow)
         self._settle()
         buckets = self._bucket(own.dst, own.dport)
         for port in (own.port, *own.stale, *own.extra):
@@ -405,7 +455,8 @@ class ArkCore:
         """Give up a local flow's reservation but keep the flow (and its port) running.
 
         The flow goes on as plain ECMP; peers learn from the RELEASE that its links are
-        free. Used when this host can no longer keep its promises (a skewed clock).
+        free. Used when this host can no longer keep its promises (a skewed clock). Ports
+        of paths it left before (re-paths) go back to their buckets: it stays where it is.
         """
         own = self._own.get(flow)
         if own is None:
@@ -415,6 +466,9 @@ class ArkCore:
         self._settle()
         entry = self._table.get(flow)
         own.reserved = False
+        self._unreleased.discard(flow)
+        self._give_back(own, own.stale)
+        own.stale = []
         if entry is None or entry.released is not None:
             return Released((), tuple(self.flush()))
         msg = Release(flow, max(float(now), entry.msg.ts))  # a clock that stepped back cannot undo it
@@ -439,7 +493,10 @@ class ArkCore:
 
     def more_ports(self, flow: FlowId, n: int) -> list[int]:
         """Up to ``n`` more free source ports of a local flow's path, claimed for the flow
-        until it is released; fewer (or none) when its bucket has no more free ports."""
+        until it is released or moves to another path; fewer (or none) when its bucket has
+        no more free ports, or when the flow holds ``MORE_PORTS_PER_FLOW`` extra ports or
+        1/``MORE_PORTS_SHARE`` of its path's bucket already (the flows after it need ports
+        of that path too)."""
         self._settle()  # the flow's path as every deferred message leaves it
         own = self._own.get(flow)
         if own is None:
@@ -447,6 +504,8 @@ class ArkCore:
         if n < 0:
             raise CoreError(f"n: must be >= 0; got {n}")
         buckets = self._bucket(own.dst, own.dport)
+        share = len(buckets.map.buckets[own.path]) // MORE_PORTS_SHARE
+        n = min(n, min(MORE_PORTS_PER_FLOW, share) - len(own.extra))
         out: list[int] = []
         while len(out) < n:
             port = buckets.try_take(own.path)
@@ -613,11 +672,15 @@ class ArkCore:
         self._settle()
         return self._table.frozen()
 
-    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]],
-              owners_word: Collection[FlowId] = ()) -> list[Repath]:
-        """Take a peer's frozen assignments (a joiner cannot recompute them itself); those
-        in ``owners_word`` replace an assignment already taken from another peer."""
-        return self.sync(self._table.adopt(assignments, owners_word))
+    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool] | None]) -> list[Repath]:
+        """Set or thaw assignments that cannot be recomputed here (see
+        :meth:`ark.core.table.ReservationTable.adopt`); report the local flows that moved."""
+        return self.sync(self._table.adopt(assignments))
+
+    def assignment(self, flow: FlowId) -> tuple[float, bool, int | None, bool] | None:
+        """``(ts, frozen, path, shared)`` of a reservation held here, else None."""
+        self._settle()
+        return self._table.assignment(flow)
 
     def _recompute(self) -> list[Repath]:
         self._settle()
@@ -769,26 +832,58 @@ class ArkCore:
             return []
         old = own.path
         if new_path != own.path:
-            buckets = self._bucket(own.dst, own.dport)
-            own.stale.append(own.port)
-            port = buckets.try_take(new_path)
-            if port is not None:
-                own.port, own.path = port, new_path
-            else:
-                # The table's path is one our map has no free port for (a probed map after
-                # a link failure: every replica agrees on the table, only we know the map).
-                # Our bytes cannot go there: run unreserved on a random known port.
-                reserved = False
-                try:
-                    own.port = self._random_port(buckets)
-                    own.path = buckets.map.path_of(own.port)
-                except CoreError:  # no port at all: keep the old one rather than fail
-                    own.stale.pop()
-                    self.counters.fallbacks += 1
+            reserved = self._move(own, new_path) and reserved
         own.reserved = reserved
         if race:
             self.counters.races_lost += 1
         return [Repath(flow, old, own.path, own.port, flow_label_for_sport(own.port), reserved)]
+
+    def _move(self, own: _Own, new_path: int) -> bool:
+        """Move a local flow to a port of ``new_path``; False when it cannot go there.
+
+        The port it leaves stays claimed until its next move or its release (its owner may
+        still be sending on it until it has moved). The ports it held before that and its
+        extra ports (more_ports) of the path it leaves go back to their buckets at once,
+        so that a flow raced off a path does not keep that path's ports from later flows:
+        a bucket is walked round-robin, so a port given back is handed out again only after
+        the walk has passed every other port of its path.
+        """
+        buckets = self._bucket(own.dst, own.dport)
+        left, port = own.port, buckets.try_take(new_path)
+        ok = port is not None
+        if port is None:
+            # The table's path is one our map has no free port for (a probed map after
+            # a link failure: every replica agrees on the table, only we know the map).
+            # Our bytes cannot go there: run unreserved on a random known port.
+            try:
+                port = self._random_port(buckets)
+            except CoreError:  # no port at all: keep the old one rather than fail
+                self.counters.fallbacks += 1
+                return False
+        self._give_back(own, [*own.stale, *own.extra])
+        own.stale, own.extra = [left], []
+        own.port, own.path = port, new_path if ok else buckets.map.path_of(port)
+        return ok
+
+    def ecmp_port(self, dst: int, dport: int) -> tuple[int, int]:
+        """(path, port): a random source port towards ``dst`` that no local flow holds, not
+        claimed: for a flow this host keeps nowhere (``Node`` beyond ``max_local_flows``)."""
+        self._check_request(dst, 0, dport)
+        buckets = self._bucket(dst, dport)
+        port = self._random_port(buckets)
+        buckets.give(port)
+        return buckets.map.path_of(port), port
+
+    def port_path(self, dst: int, dport: int, port: int) -> int:
+        """The path a source port leads over towards ``dst`` (-1: the map does not know it)."""
+        self._check_request(dst, 0, dport)
+        return self._bucket(dst, dport).map.path_of(port)
+
+    def _give_back(self, own: _Own, ports: list[int]) -> None:
+        if ports:
+            buckets = self._bucket(own.dst, own.dport)
+            for p in ports:
+                buckets.give(p)
 
     def _balance_choice(self, stages: tuple[tuple[int, ...], ...], n: int, now: float, usable: int = -1) -> int:
         best, best_cost = 0, float("inf")

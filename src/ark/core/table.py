@@ -15,7 +15,7 @@ import hashlib
 import heapq
 import math
 from bisect import bisect_left, insort
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -61,19 +61,48 @@ def _bucket_of(t: float) -> int:
     return -_NO_END_BUCKET if v <= -_NO_END_BUCKET else math.floor(v)
 
 
+# Retained reservations per owner a replica keeps for each live one the owner may hold,
+# when CoreLimits.max_retained_per_host is not given (see CoreLimits).
+RETAINED_PER_LIVE = 4
+
+
 @dataclass(frozen=True)
 class CoreLimits:
     """Bounds on what other hosts and local clients can make a replica keep.
 
-    ``max_flows_per_host``: reservations of one owner a replica holds (a RESERVE beyond
-    it is dropped and counted); ``max_early_per_host``: releases and renewals of one
-    owner's still unknown flows kept for later; ``max_dports``: destination ports with
-    path maps and port buckets at once (the least recently used idle one is dropped).
+    ``max_flows_per_host``: live (not yet released) reservations of this host: beyond it
+    the host's own requests get plain ECMP. Peers do not count live reservations: whether
+    a RELEASE has arrived yet depends on delivery order, and a rule that does would make
+    replicas disagree about which RESERVE was admitted. ``max_retained_per_host`` (0:
+    ``RETAINED_PER_LIVE`` x ``max_flows_per_host``): reservations of one owner a replica
+    retains, live or ended until forgotten: the memory bound, a RESERVE beyond it is
+    dropped and counted; the owner stops reserving ``max_flows_per_host`` short of it, so
+    that a peer forgetting later than the owner still has room (see
+    :meth:`owner_retained`). ``max_early_per_host``: releases and renewals of one owner's
+    still unknown flows kept for later; ``max_dports``: destination ports with path maps
+    and port buckets at once (the least recently used idle one is dropped).
     """
 
     max_flows_per_host: int = 4096
     max_early_per_host: int = 1024
     max_dports: int = 8
+    max_retained_per_host: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_retained_per_host and self.max_retained_per_host < 2 * self.max_flows_per_host:
+            raise CoreError(f"max_retained_per_host: must be 0 or >= 2 x max_flows_per_host "
+                            f"({2 * self.max_flows_per_host}); got {self.max_retained_per_host}")
+
+    @property
+    def retained_per_host(self) -> int:
+        """Reservations of one owner a replica retains (live or ended, until forgotten)."""
+        return self.max_retained_per_host or RETAINED_PER_LIVE * self.max_flows_per_host
+
+    @property
+    def owner_retained(self) -> int:
+        """Retained reservations of its own at which a host stops reserving: a margin of
+        ``max_flows_per_host`` ends below what peers keep, for peers that forget later."""
+        return self.retained_per_host - self.max_flows_per_host
 
     @classmethod
     def unbounded(cls) -> CoreLimits:
@@ -126,6 +155,7 @@ class Counters:
     stale: int = 0
     invalid: int = 0
     overflow: int = 0  # dropped: an owner over its share of the table (CoreLimits)
+    capped: int = 0  # own requests given plain ECMP: this host at a cap of its own (CoreLimits)
     recomputes: int = 0
     partial_recomputes: int = 0
 
@@ -229,7 +259,8 @@ class ReservationTable:
         # when a digest is asked for (a HELLO), not on every message.
         self._digest_dirty: set[FlowId] = set()
         self.limits = limits or CoreLimits.unbounded()
-        self._per_owner: dict[int, int] = {}  # entries held per owner host
+        self._retained_cap = self.limits.retained_per_host  # read for every RESERVE received
+        self._per_owner: dict[int, int] = {}  # entries retained per owner host
         self._early_per_owner: dict[int, int] = {}
         self._purge_heap: list[tuple[float, FlowId]] = []  # for forgetting
         self._horizon = -INF
@@ -286,14 +317,15 @@ class ReservationTable:
         return self.insert(msg) if self.admissible(msg) and self.has_room(msg) else []
 
     def has_room(self, msg: Reserve) -> bool:
-        """Is its owner under its share of the table (:class:`CoreLimits`)? Counted if not."""
-        if self._per_owner.get(msg.flow[0], 0) >= self.limits.max_flows_per_host:
+        """Is its owner under its share of the table (:class:`CoreLimits`
+        ``retained_per_host``)? Counted if not."""
+        if self._per_owner.get(msg.flow[0], 0) >= self._retained_cap:
             self.counters.overflow += 1
             return False
         return True
 
     def owner_count(self, host: int) -> int:
-        """Reservations of ``host`` this replica holds."""
+        """Reservations of ``host`` this replica retains (live or ended, until forgotten)."""
         return self._per_owner.get(host, 0)
 
     def early_messages(self) -> int:
@@ -642,24 +674,35 @@ class ReservationTable:
                 del self._early_renew[f]
                 self._early_gone(f)
 
-    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool]],
-              owners_word: Collection[FlowId] = ()) -> Changed:
-        """Take a peer's frozen assignments (a joiner cannot recompute them itself).
-
-        An entry already frozen keeps its assignment unless the flow is in ``owners_word``
-        (its owner said so): the owner's word replaces any other peer's."""
+    def adopt(self, assignments: dict[FlowId, tuple[int | None, bool] | None]) -> Changed:
+        """Set assignments that cannot be recomputed here (a joiner's, decided by
+        :class:`ark.core.node.Node` from its peers' snapshots): ``(path, shared)`` is taken
+        and frozen; ``None`` thaws the entry, so that it is recomputed from what this replica
+        holds (a value taken before lost its backing). Which entries may be set, and from whose
+        word, is the caller's judgement: the table only checks that the path exists."""
         self.settle()
         changed = False
-        for f, (path, shared) in assignments.items():
+        for f, value in assignments.items():
             e = self._entries.get(f)
-            if e is None or (e.frozen and (f not in owners_word or (e.path, e.shared) == (path, shared))):
+            if e is None:
                 continue
+            if value is None:
+                changed |= e.frozen
+                e.frozen = False
+                continue
+            path, shared = value
             if path is not None and not 0 <= path < self.routes.n_paths(e.msg.src, e.msg.dst):
                 self.counters.invalid += 1
                 continue
-            e.path, e.shared, e.frozen = path, shared, True
-            changed = True
+            if not e.frozen or (e.path, e.shared) != (path, shared):
+                e.path, e.shared, e.frozen = path, shared, True
+                changed = True
         return self.recompute() if changed else []
+
+    def assignment(self, flow: FlowId) -> tuple[float, bool, int | None, bool] | None:
+        """``(ts, frozen, path, shared)`` of a reservation this replica holds, else None."""
+        e = self._entries.get(flow)
+        return None if e is None else (e.msg.ts, e.frozen, e.path, e.shared)
 
     def next_deadline(self) -> float:
         """The earliest instant at which :meth:`tick` has work (``inf``: none).

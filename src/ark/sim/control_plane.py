@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ark.core.clock import ECHOES_PER_HELLO
 from ark.core.clos import clos3
 from ark.core.envelope import K_DATA, K_HELLO, encode_envelope
 from ark.core.flows import FlowSpec
@@ -159,14 +160,15 @@ def flows_for(fab: Fabric, plan: Plan, rate_per_gpu: float, seconds: float,
 
 
 def message_bytes() -> dict[str, int]:
-    """Envelope bytes of a signed RESERVE, a signed RELEASE and a HELLO (ZMTP and CURVE
-    framing not included)."""
+    """Envelope bytes of a signed RESERVE, a signed RELEASE and a HELLO with its full
+    share of round-trip echoes (ZMTP and CURVE framing not included)."""
     r = Reserve((1023, (7 << 32) + 99_999), 1.0e9, 1023, 4000, 4791, 12, 60_000, 6_700_000_000, 1e11, False, 1.0e9 + 2)
     sig = bytes(64)
     return {
         "reserve": len(encode_envelope(K_DATA, 1023, 7, 10**6, [encode(r), sig])),
         "release": len(encode_envelope(K_DATA, 1023, 7, 10**6, [encode(Release(r.flow, 1.0e9 + 1)), sig])),
-        "hello": len(encode_envelope(K_HELLO, 1023, 7, 10**6, [bytes(8), 1.0e9, 1.0e9, 1.0e9, []])),
+        "hello": len(encode_envelope(K_HELLO, 1023, 7, 10**6, [bytes(8), 1.0e9, 1.0e9, 1.0e9,
+                                                             [[1023, 1.0e9, 1.0e9]] * ECHOES_PER_HELLO])),
     }
 
 

@@ -1,0 +1,19 @@
+"""An engine reserving and releasing back to back through the real local API is never
+refused for bookkeeping: past the live cap it keeps reserving, and past what its peers
+may retain of it, it gets plain ECMP leases that say why, never an error."""
+
+from __future__ import annotations
+
+from ark.agent.bench import churn
+
+
+def test_back_to_back_reserve_release_past_the_cap_gets_no_error() -> None:
+    # The smallest cap a cluster file takes: released flows used to fill it in 16 cycles
+    # and have every later request refused until they were forgotten (retention_s later).
+    r = churn(seconds=3.0, max_flows_per_host=16)
+    assert r["refusals"] == 0, r["refusal_reasons"]
+    assert r["cycles"] > 200 and r["errors"] == 0
+    # 48 reserved (the owner stops max_flows_per_host short of the 64 its peers keep of
+    # it), then plain ECMP until the first of them are forgotten; the peer dropped none.
+    assert set(r["ecmp_reasons"]) == {"cap: 48 reservations retained"} and r["capped"] == r["ecmp"]
+    assert r["cycles"] - r["ecmp"] >= 48 and r["peer_overflow"] == 0
