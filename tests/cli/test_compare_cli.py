@@ -41,6 +41,7 @@ def test_compare_writes_results_summary_and_figures(tmp_path) -> None:
             "--seeds", "1", "--jobs", "1", "--fail-link", "0:1@1.5", "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert "which scheme at which load" in p.stdout and "link change: leaf0-spine1 down at 1.5 s" in p.stdout
+    assert "paired over seeds: one seed, no interval" in p.stdout
     for name in ("results.json", "results.csv", "compare.json", "results.md", "compare_fct.png", "fct_cdf.png",
                  "slowdown.png"):
         assert (out / name).stat().st_size > 0, name
@@ -68,6 +69,8 @@ def test_set_overrides_a_config_value(tmp_path) -> None:
     assert p.returncode == 0, p.stderr
     md = (tmp_path / "o" / "results.md").read_text()
     assert "KV transfer `per-layer`" in md
+    (row,) = json.loads(p.stdout)["paired"]
+    assert (row["scheme"], row["baseline"], row["n"], row["verdict"]) == ("ark-split", "ecmp", 1, "one seed: no interval")
     assert apply_sets(default(), ("params.split.parts=2",)).params.split.parts == 2
     one_line_error(ark("compare", "--set", "params.split.parts=0", "--qps", "5"), "params.split.parts")
     one_line_error(ark("compare", "--set", "nokey", "--qps", "5"), "--set")

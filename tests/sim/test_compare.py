@@ -7,7 +7,16 @@ import math
 import pytest
 
 from ark.sim import config
-from ark.sim.compare import compare_config, decisions, fct_table, markdown, run_compare, slowdown
+from ark.sim.compare import (
+    compare_config,
+    decisions,
+    fct_table,
+    markdown,
+    paired_cells,
+    paired_table,
+    run_compare,
+    slowdown,
+)
 from ark.sim.config import from_dict
 from ark.sim.experiment import run_sweep
 from ark.sim.racewindow import halving_delay, race_config, race_points, run_race_window
@@ -52,6 +61,8 @@ def test_compare_tables_and_summary() -> None:
         assert d["best_other"] == min(("ecmp", "conga"), key=fct.__getitem__)
     md = markdown(comp)
     assert "## Which scheme at which load" in md and "| 20 |" in md
+    assert md.endswith("One seed: no interval (`--seeds N`; about 10 seeds or more for a useful one).\n")
+    assert {(r["baseline"], r["n"]) for r in comp.paired} == {("ecmp", 1), ("spray", 1)}
     for r in tab:
         assert math.isclose(r["x_spray"], r["fct_mean_s"] / _at(tab, r["qps"], "spray")["fct_mean_s"])
     sd = slowdown(comp.sweep, 100e9 * cfg.fabric.build().efficiency / 8, 20.0)
@@ -84,3 +95,18 @@ def test_races_grow_with_the_control_delay() -> None:
     ref, slow = by[("reference", 0.0)], by[("delay", 300_000.0)]
     assert math.isclose(slow["fct_change"], slow["fct_mean_s"] / ref["fct_mean_s"] - 1.0)
     assert all(r["mismatches"] == 0 for r in rows if r["scheme"] == "ark")
+
+
+def test_paired_table_against_ecmp_and_spray_per_qps() -> None:
+    recs = [{"scheme": s, "qps": q, "seed": seed, "fct_mean_s": f * q * (1 + seed / 10)}
+            for q in (20.0, 5.0) for s, f in (("ark", 0.5), ("ecmp", 1.0), ("spray", 0.4)) for seed in range(4)]
+    rows = paired_table(recs)
+    assert [(r["baseline"], r["qps"], r["scheme"]) for r in rows] == [
+        ("ecmp", 5.0, "ark"), ("ecmp", 5.0, "spray"), ("ecmp", 20.0, "ark"), ("ecmp", 20.0, "spray"),
+        ("spray", 5.0, "ark"), ("spray", 5.0, "ecmp"), ("spray", 20.0, "ark"), ("spray", 20.0, "ecmp")]
+    r = rows[0]  # ark is half of ECMP on every seed: the ratio's interval is that point
+    assert r["ratio"] == r["ratio_lo"] == r["ratio_hi"] == 0.5 and r["verdict"] == "-50.0% [-50.0%, -50.0%]"
+    d, ratio = paired_cells(r)  # per seed -2.5, -2.75, -3, -3.25 s
+    assert d == f"-2875.0 [{r['diff_lo'] * 1e3:+.1f}, {r['diff_hi'] * 1e3:+.1f}]" and ratio == "0.500 [0.500, 0.500]"
+    assert -3250 <= r["diff_lo"] * 1e3 < -2875 < r["diff_hi"] * 1e3 <= -2500
+    assert paired_table([x for x in recs if x["scheme"] != "spray"]) == rows[:1] + rows[2:3]

@@ -72,12 +72,12 @@ def test_cli_engine_option_and_refusals(bed, capsys):
     from ark.cli import main
 
     _st, base = bed
-    rc = main(["testbed", "run", "--engine", "mooncake", "--requests", "8", "--qps", "6", "--scheme", "ark",
+    rc = main(["testbed", "run", "--seeds", "1", "--engine", "mooncake", "--requests", "8", "--qps", "6", "--scheme", "ark",
                "--sample", "256", "--prefix", "arkm", "--state-dir", base, "--json"])
     assert rc == 0
     rec = json.loads(capsys.readouterr().out)
     assert rec["engine"] == "mooncake" and rec["buffers"] == 1 and rec["bytes_verified_fraction"] == 1.0
     assert rec["path_match_fraction"] == 1.0
-    rc = main(["testbed", "run", "--engine", "mooncake", "--fail-link", "0:1@1", "--prefix", "arkm",
+    rc = main(["testbed", "run", "--seeds", "1", "--engine", "mooncake", "--fail-link", "0:1@1", "--prefix", "arkm",
                "--state-dir", base])
     assert rc == 2 and "fail_link: only with the builtin engine" in capsys.readouterr().err

@@ -272,11 +272,51 @@ def test_small_run_ark_flows_cross_their_reserved_spines(bed):
 
 @root
 @needs_ns
+def test_a_seed_fixes_ecmp_paths_and_the_run_records_where_its_time_went(bed):
+    from ark.testbed import run as tr
+
+    st, _ = bed
+    p = tr.RunParams(scheme="ecmp", requests=12, qps=8.0, seed=3, sample=64)
+    a, b = tr.run(st, p), tr.run(st, p, reprobe=False)
+    assert [(f["sport"], f["spine"]) for f in a["flows"]] == [(f["sport"], f["spine"]) for f in b["flows"]]
+    assert a["paths_digest"] == b["paths_digest"] and a["hash_keys"] == b["hash_keys"]
+    other = tr.run(st, tr.RunParams(scheme="ecmp", requests=12, qps=8.0, seed=4, sample=64))
+    assert other["hash_keys"] != a["hash_keys"] and other["paths_digest"] != a["paths_digest"]
+    assert 0.0 < a["cpu_busy_fraction"] <= 1.0 and isinstance(a["cpu_saturated"], bool)
+    for f in a["flows"]:
+        parts = [f[k] for k in tr.PARTS]
+        assert f["lease_s"] == 0.0 and sum(parts) == pytest.approx(f["fct_s"], abs=1e-3)
+
+
+def test_runs_interleave_schemes_across_seeds():
+    from ark.testbed.run import interleaved
+
+    order = interleaved([0, 1, 2], ["ecmp", "ark", "ark-balance"])
+    assert order[:3] == [(0, "ecmp"), (0, "ark"), (0, "ark-balance")]
+    assert order[3:6] == [(1, "ark"), (1, "ark-balance"), (1, "ecmp")]
+    assert [sc for _, sc in order[6:]] == ["ark-balance", "ecmp", "ark"]
+
+
+def test_ecmp_ports_are_seeded_distinct_per_host_and_in_the_ephemeral_range():
+    from ark.core.flows import FlowSpec
+    from ark.testbed.plan import EPHEMERAL, ecmp_ports
+
+    flows = [FlowSpec(i, i % 3, 8, 10, 0.0) for i in range(30)]
+    a, b, c = ecmp_ports(flows, 1), ecmp_ports(flows, 1), ecmp_ports(flows, 2)
+    assert a == b != c and set(a) == set(range(30))
+    assert all(EPHEMERAL[0] <= p <= EPHEMERAL[1] for p in a.values())
+    for src in range(3):
+        ports = [a[f.id] for f in flows if f.src == src]
+        assert len(set(ports)) == len(ports)
+
+
+@root
+@needs_ns
 def test_cli_run_json_keys_and_fabric_change(bed, capsys):
     from ark.cli import main
 
     st, base = bed
-    rc = main(["testbed", "run", "--requests", "24", "--qps", "6", "--scheme", "ark", "--sample", "64",
+    rc = main(["testbed", "run", "--seeds", "1", "--requests", "24", "--qps", "6", "--scheme", "ark", "--sample", "64",
                "--fail-link", "0:2@1.0", "--prefix", "arkt", "--state-dir", base, "--json"])
     assert rc == 0
     rec = json.loads(capsys.readouterr().out)

@@ -74,6 +74,22 @@ def failure_rich(rows: Sequence[dict[str, Any]], label: str) -> Table:
     return t
 
 
+def paired_rich(rows: Sequence[dict[str, Any]]) -> Table:
+    from ark.sim.compare import paired_cells
+
+    t = Table(title=f"mean FCT against ECMP and spray, paired over seeds ({rows[0]['level']:.0%} bootstrap "
+                    "intervals; too narrow with few seeds: see docs/simulator.md)")
+    for c in ("QPS", "scheme", "against", "seeds", "Δ mean (ms) [CI]", "ratio [CI]", "verdict"):
+        t.add_column(c, justify="right" if c in ("QPS", "seeds") else "left")
+    last = None
+    for r in rows:
+        if last is not None and (r["baseline"], r["qps"]) != last:
+            t.add_section()
+        last = (r["baseline"], r["qps"])
+        t.add_row(f"{r['qps']:g}", r["scheme"], r["baseline"], str(r["n"]), *paired_cells(r), r["verdict"])
+    return t
+
+
 def _plots(comp: Any, od: Path) -> list[Path]:
     from ark.cli import plots
     from ark.sim.compare import detail_qps, slowdown
@@ -122,14 +138,18 @@ def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None,
         fd = Path(fig_dir or out_dir)
         fd.mkdir(parents=True, exist_ok=True)
         files += _plots(comp, fd)
-    rows, dec, fail = comp.summary, comp.decisions, comp.failure
+    rows, dec, fail, pairs = comp.summary, comp.decisions, comp.failure, comp.paired
     if as_json:
-        click.echo(json.dumps({"summary": rows, "decisions": dec, "failure": fail, "files": [str(f) for f in files]},
-                              indent=1))
+        click.echo(json.dumps({"summary": rows, "decisions": dec, "failure": fail, "paired": pairs,
+                               "files": [str(f) for f in files]}, indent=1))
         return
     out.print(fct_rich(rows, cfg.schemes))
     out.print(decision_rich(dec))
     if cfg.failure is not None and fail:
         order = {s: i for i, s in enumerate(cfg.schemes)}
         out.print(failure_rich(sorted(fail, key=lambda r: (r["qps"], order[r["scheme"]])), cfg.failure.label()))
+    if pairs and max(r["n"] for r in pairs) >= 2:
+        out.print(paired_rich(pairs))
+    elif pairs:
+        out.print("paired over seeds: one seed, no interval (--seeds N; about 10 or more for a useful one)")
     out.print("wrote: " + ", ".join(str(f) for f in files))

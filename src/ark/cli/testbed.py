@@ -123,19 +123,21 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 
 
 @testbed.command("run")
-@click.option("--requests", type=click.IntRange(min=1), default=200, show_default=True)
+@click.option("--requests", type=click.IntRange(min=1), default=150, show_default=True)
 @click.option("--qps", type=float, default=20.0, show_default=True)
 @click.option("--scheme", "schemes", multiple=True, type=click.Choice(["ecmp", "ark", "ark-balance"]),
               help="Repeat for several (default: ecmp and ark).")
-@click.option("--seeds", default="1", show_default=True, help="Seed count N (seeds 0..N-1) or a list like 0,4,7.")
+@click.option("--seeds", default="10", show_default=True,
+              help="Seed count N (seeds 0..N-1) or a list like 0,4,7; ten give intervals that mostly cover (docs/testbed.md).")
 @click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True, help="Probed ports per peer.")
 @click.option("--fail-link", help="LEAF:SPINE@SECONDS: take that link down mid-run; hosts re-probe, agents reload.")
 @click.option("--engine", type=click.Choice(["builtin", "mooncake"]), default="builtin", show_default=True,
               help="Who moves the bytes: the testbed's TCP senders, or Mooncake Transfer Engines (the mooncake extra).")
 @click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="mooncake: requests per KV flow (the engine opens one connection per request).")
-@click.option("--ecmp-agents", is_flag=True,
-              help="Start the agents in ECMP runs too, unused: both schemes pay their CPU (a control on a shared machine).")
+@click.option("--ecmp-agents/--no-ecmp-agents", default=True, show_default=True,
+              help="Start the agents in ECMP runs too, unused, so that every scheme pays their CPU on this shared "
+                   "machine (off: ECMP runs without agents, an unfair control).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Also write every record (flows included) as JSON.")
 @click.option("--prefix", default="ark", show_default=True)
 @click.option("--state-dir", help=TB_HELP_DIR)
@@ -150,31 +152,38 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     failure = _fail_link(fail_link) if fail_link else None
     st = _state(prefix, state_dir)
     records = []
-    for seed in seed_list:
-        for scheme in schemes or ("ecmp", "ark"):
-            p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
-                             engine=engine, buffers=buffers, ecmp_agents=ecmp_agents)
-            records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
+    for seed, scheme in tr.interleaved(seed_list, schemes or ("ecmp", "ark")):
+        p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
+                         engine=engine, buffers=buffers, ecmp_agents=ecmp_agents)
+        records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
+    from ark.testbed.summary import summarize
+
+    summary = summarize(records)
     if out_file:
-        Path(out_file).write_text(json.dumps(_clean(records), indent=1))
+        Path(out_file).write_text(json.dumps(_clean({"runs": records, **summary}), indent=1))
     if as_json:
-        click.echo(json.dumps(_clean(records[0] if len(records) == 1 else records)))
+        click.echo(json.dumps(_clean(records[0] if len(records) == 1 else {"runs": records, **summary})))
         return
     who = "" if engine == "builtin" else f", Mooncake engines ({buffers} request(s) per flow)"
     t = Table(title=f"testbed: {requests} requests at QPS {qps:g} (offered load {records[0]['offered_load']:.2f}), "
                     f"links {records[0]['link_mbps']:g} Mbit/s{who}")
-    cols = ["scheme", "seed", "mean FCT s", "P95 FCT s", "errors", "flows/spine", "path match", "probes", "probe agree"]
+    cols = ["scheme", "seed", "mean FCT s", "P95 FCT s", "sim mean s", "CPU busy", "errors", "flows/spine",
+            "path match", "probes", "probe agree"]
     for col in cols + (["bytes verified"] if engine == "mooncake" else []):
         t.add_column(col, justify="right")
     for r in records:
         pm = r["path_match_fraction"]
-        row = [r["scheme"] + (" (agents up)" if r["ecmp_agents"] else ""), str(r["seed"]), f"{r['fct_mean_s']:.4f}", f"{r['fct_p95_s']:.4f}", str(r["errors"]),
+        busy = f"{r['cpu_busy_fraction']:.0%}" + (" SATURATED" if r["cpu_saturated"] else "")
+        no_agents = r["scheme"] == "ecmp" and not r["ecmp_agents"]
+        row = [r["scheme"] + (" (no agents)" if no_agents else ""), str(r["seed"]), f"{r['fct_mean_s']:.4f}",
+               f"{r['fct_p95_s']:.4f}", f"{r['sim']['fct_mean_s']:.4f}", busy, str(r["errors"]),
                str(r["flows_per_spine"]), "-" if pm is None else f"{pm:.2%} of {r['path_checked']}",
                str(r["probes_sent"]), f"{r['probe_agreement_fraction']:.4%}"]
         if engine == "mooncake":
             row.append(f"{r['bytes_verified_fraction']:.2%} ({r['flows_verified']} flows)")
         t.add_row(*row)
     out.print(t)
+    _print_summary(summary)
     for r in records:
         ch = r.get("fabric_change")
         if ch and "error" in ch:
@@ -188,6 +197,32 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
                       f"{ch['probes_sent']} probes, agreement {ch['probe_agreement_fraction']:.4%}); "
                       f"{ch['repathed_live_flows']} live reservations re-pathed; flows started after the refresh "
                       f"matching their reserved spine: {ch['path_match_after_refresh']:.2%} of {ch['flows_after_refresh']}")
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    """The paired comparison (measured beside simulated) and where the FCT goes."""
+    from ark.sim.compare import paired_cells
+    from ark.testbed.summary import PARTS
+
+    rows = summary["paired"]
+    if rows:
+        t = Table(title="against ECMP, paired by seed: mean FCT difference and ratio, 95% bootstrap intervals")
+        for col in ("scheme", "seeds", "per-seed change", "mean diff ms", "ratio", "verdict", "simulator"):
+            t.add_column(col, justify="right")
+        for row in rows:
+            d, ratio = paired_cells(row)
+            per_seed = ", ".join(f"{x:+.1%}" for x in row["rel_by_seed"])
+            t.add_row(row["scheme"], str(row["n"]), per_seed, d, ratio, row["verdict"], row["sim_verdict"])
+        out.print(t)
+    t = Table(title="where the mean FCT goes, s (thread wake-up late, lease, lease to connected, transfer)")
+    for col in ("scheme", *PARTS):
+        t.add_column(col, justify="right")
+    for scheme, parts in summary["parts"].items():
+        t.add_row(scheme, *(f"{parts[k]:.4f}" for k in PARTS))
+    out.print(t)
+    for r in summary["saturated"]:
+        err.print(f"{r['scheme']} seed {r['seed']}: the cores were {r['cpu_busy_fraction']:.0%} busy: this run "
+                  "measured the machine more than the fabric", highlight=False)
 
 
 def _fail_link(text: str) -> tuple[int, int, float]:

@@ -5,7 +5,9 @@ keeping every flow's size and FCT; the rest turns the records into what an opera
 mean FCT against the ideal spray and against ECMP (:func:`fct_table`), the scheme to run at
 each load (:func:`decisions`), FCT before, during and after a link change
 (:func:`failure_table`), slowdown against flow size (:func:`slowdown`) and the one-page
-``results.md`` (:func:`markdown`). Nothing here prints or plots (``ark.cli.compare`` does).
+``results.md`` (:func:`markdown`); :func:`paired_table` gives each scheme's mean FCT against
+ECMP and spray with a paired bootstrap interval over the seeds. Nothing here prints or plots
+(``ark.cli.compare`` does).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ark.sim.experiment import (
     summarize,
     write_results,
 )
+from ark.sim.stats import paired_rows
 
 COMPARED = ("ecmp", "plb", "letflow", "conga", "hedera", "ecmp-split", "ark", "ark-balance", "ark-split",
             "oracle-path", "spray")
@@ -40,6 +43,8 @@ IDEAL = "spray"  # the bound: not something a host-side operator can deploy on a
 BOUNDS = (IDEAL, "oracle-path")  # measured for reference, never recommended
 NEAR = 0.05  # within 5% of the best deployable scheme counts as as good
 DETAIL_QPS = 25.0  # slowdown against size is drawn at the sweep's QPS nearest this
+PAIRED_AGAINST = ("ecmp", IDEAL)  # the deployed default and the bound
+PAIRED_METRIC = "fct_mean_s"
 
 
 @dataclass
@@ -64,6 +69,11 @@ class Comparison:
     def failure(self) -> list[dict[str, Any]]:
         """:func:`failure_table` of the records."""
         return failure_table(self.records)
+
+    @cached_property
+    def paired(self) -> list[dict[str, Any]]:
+        """:func:`paired_table` of the records."""
+        return paired_table(self.records)
 
 
 def compare_config(cfg: ExperimentConfig, schemes: Sequence[str] | None = None) -> ExperimentConfig:
@@ -144,6 +154,24 @@ def failure_table(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def paired_table(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each scheme against ECMP and against spray (those of the two that ran), per QPS, on
+    mean FCT, paired over the run's seeds (:func:`ark.sim.stats.paired_rows`): ordered by
+    baseline, QPS, then the schemes' run order."""
+    order = {s: i for i, s in enumerate(dict.fromkeys(r["scheme"] for r in records))}
+    rows = [r for b in PAIRED_AGAINST if b in order for r in paired_rows(records, PAIRED_METRIC, b, ("qps",))]
+    return sorted(rows, key=lambda r: (PAIRED_AGAINST.index(r["baseline"]), r["qps"], order[r["scheme"]]))
+
+
+def paired_cells(row: dict[str, Any]) -> tuple[str, str]:
+    """A :func:`paired_table` row's mean difference (ms) and ratio, each with its interval."""
+    def ci(lo: float, hi: float, f: str) -> str:
+        return "[—]" if math.isnan(lo) else f"[{lo:{f}}, {hi:{f}}]"  # nan: one seed
+
+    d = f"{row['diff_mean'] * 1e3:+.1f} {ci(row['diff_lo'] * 1e3, row['diff_hi'] * 1e3, '+.1f')}"
+    return d, f"{row['ratio']:.3f} {ci(row['ratio_lo'], row['ratio_hi'], '.3f')}"
+
+
 def slowdown(sweep: Sweep, nic_bytes_per_s: float, qps: float, bins: int = 8) -> list[dict[str, Any]]:
     """Mean FCT over the ideal (size / NIC goodput) per flow-size bin, per scheme at ``qps``."""
     sizes = [s for (_, q, _), (b, _, _) in sweep.flows.items() if q == qps for s in b]
@@ -176,7 +204,7 @@ def write_compare(out_dir: str | Path, comp: Comparison) -> list[Path]:
     full = [{k: r[k] for k in (*RECORD_KEYS, *EXTRA_KEYS, *_phase_keys(r))} for r in comp.records]
     p = out / "compare.json"
     p.write_text(json.dumps({"records": full, "summary": comp.summary, "decisions": comp.decisions,
-                             "failure": comp.failure}, indent=1) + "\n")
+                             "failure": comp.failure, "paired": comp.paired}, indent=1) + "\n")
     md = out / "results.md"
     md.write_text(markdown(comp))
     return [*paths, p, md]
@@ -218,6 +246,7 @@ def markdown(comp: Comparison) -> str:
                      f"{d['best_ark'] or '—'} | {d['best_ark_x_spray']:.2f} | {100 * d['best_ark_vs_ecmp']:+.1f}% | "
                      f"{d['best_other'] or '—'} | {d['best_other_x_spray']:.2f} |")
     lines += _failure_lines(comp)
+    lines += _paired_lines(comp.paired)
     return "\n".join(lines) + "\n"
 
 
@@ -241,4 +270,23 @@ def _failure_lines(comp: Comparison) -> list[str]:
         lines.append(f"| {r['qps']:g} | {r['scheme']} | {_ms(r['fct_before_s'])} | {_ms(r['fct_during_s'])} | "
                      f"{_ms(r['fct_after_s'])} | {r['stale'] if ark else '—'} | "
                      f"{r['rebuild_repathed'] if ark else '—'} | {r['mismatches_after_rebuild'] if ark else '—'} |")
+    return lines
+
+
+def _paired_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## Mean FCT against ECMP and spray, paired over seeds", ""]
+    if max(r["n"] for r in rows) < 2:
+        return [*lines, "One seed: no interval (`--seeds N`; about 10 seeds or more for a useful one)."]
+    lines += [f"Per seed, the scheme's mean FCT minus the baseline's on the same workload; the mean of those "
+              f"differences and the ratio of the means, each with a {rows[0]['level']:.0%} percentile bootstrap "
+              "interval over the seeds. A verdict is the change with the ratio's interval where the difference's "
+              "interval excludes 0. With few seeds the interval is too narrow: with 3 it is about the range of the "
+              "per-seed differences and holds the true difference about 3 times in 4 (docs/simulator.md).", "",
+              "| QPS | scheme | against | seeds | Δ mean FCT (ms) [CI] | ratio [CI] | verdict |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d, ratio = paired_cells(r)
+        lines.append(f"| {r['qps']:g} | {r['scheme']} | {r['baseline']} | {r['n']} | {d} | {ratio} | {r['verdict']} |")
     return lines

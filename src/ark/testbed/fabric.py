@@ -454,6 +454,34 @@ def _ecmp_sysctls(spec: TestbedSpec, ns: str, seed: int | None) -> None:
         netns.sysctl(ns, key, val)
 
 
+def ecmp_switches(st: State) -> list[str]:
+    """The namespaces that hash flows over several next hops: leaves, and on 3 tiers the
+    aggregation switches too."""
+    spec, lay = st.spec, st.layout
+    out = [lay.leaf_ns(a) for a in range(spec.leaves)]
+    if spec.three_tier:
+        out += [lay.agg_ns(g) for g in range(spec.pods * spec.aggs_per_pod)]
+    return out
+
+
+def hash_keys(seed: int, n: int) -> list[int]:
+    """``n`` multipath hash keys that ``seed`` fixes (never 0: the kernel's "random" key)."""
+    rng = random.Random(f"ark-testbed-hash-{seed}")
+    return [rng.randrange(1, 2**32) for _ in range(n)]
+
+
+def rekey(st: State, seed: int) -> tuple[list[int], bool]:
+    """Give every ECMP switch the hash key ``seed`` fixes; returns the keys, switch by
+    switch, and whether any changed (then paths changed: probe again)."""
+    keys = hash_keys(seed, len(ecmp_switches(st)))
+    changed = False
+    for ns, key in zip(ecmp_switches(st), keys, strict=True):
+        if netns.read_sysctl(ns, "net.ipv4.fib_multipath_hash_seed") != str(key):
+            netns.sysctl(ns, "net.ipv4.fib_multipath_hash_seed", key)
+            changed = True
+    return keys, changed
+
+
 def _answering_sysctls(ns: str) -> None:
     """Probes need every time-exceeded answered, from the address the probe came in on."""
     for key, val in (("net.ipv4.ip_forward", 1), ("net.ipv4.conf.all.rp_filter", 0),

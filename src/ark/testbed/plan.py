@@ -8,6 +8,7 @@ every host's agent on the management network.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from ark.agent.cluster import ClusterFile, ClusterSettings, HostTable
@@ -16,14 +17,19 @@ from ark.core.clos import ClosFabric
 from ark.core.fabric_config import FabricConfig
 from ark.core.flows import FlowSpec
 from ark.core.pathmap import pathmap_filename
-from ark.testbed.fabric import State
+from ark.testbed.fabric import State, TestbedSpec
 
 PROBE_CHECK_S = 0.5  # agents re-probe a few ports this often and refresh on a re-hash
 Pairs = dict[int, set[int]]  # source host -> destination hosts behind other leaves
 
 
 def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[FlowSpec], float]:
-    """KV flows of the simulator's workload, scaled; and the nominal offered load.
+    """KV flows of the simulator's workload, scaled; and the nominal offered load."""
+    return spec_flows(st.spec, requests, qps, seed)
+
+
+def spec_flows(spec: TestbedSpec, requests: int, qps: float, seed: int) -> tuple[list[FlowSpec], float]:
+    """:func:`plan_flows` from the spec alone (no live testbed needed).
 
     On a 3-tier testbed each request's GPUs are drawn at random (a global scheduler), so
     that flows cross pods; round-robin would pair every prefill GPU with a decode GPU of
@@ -33,14 +39,32 @@ def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[Fl
     from ark.sim.experiment import offered_load, place
 
     cfg = default().with_overrides(requests=requests)
-    if st.spec.three_tier:
+    if spec.three_tier:
         cfg = from_dict({"workload": {"requests": requests}, "serving": {"placement": "random"}})
-    fab = st.spec.fabric()
+    fab = spec.fabric()
     placed = place(cfg, fab, qps, seed)
     t_first = min(p.kv_start_s for p in placed)
-    flows = [FlowSpec(i, p.prefill_gpu, p.decode_gpu, max(1, round(p.kv_bytes * st.spec.scale)),
+    flows = [FlowSpec(i, p.prefill_gpu, p.decode_gpu, max(1, round(p.kv_bytes * spec.scale)),
                       round(p.kv_start_s - t_first, 6)) for i, p in enumerate(placed)]
     return flows, offered_load(fab, placed, qps)
+
+
+EPHEMERAL = (32768, 60999)  # Linux's default ip_local_port_range: where ECMP's ports come from
+
+
+def ecmp_ports(flows: list[FlowSpec], seed: int) -> dict[int, int]:
+    """A source port per flow, as the kernel would pick one (uniform over the ephemeral
+    range, no two alike on one host), but drawn from ``seed``: with the switches' hash keys
+    also fixed by the seed, an ECMP run's paths are the same every time."""
+    out: dict[int, int] = {}
+    by_src: dict[int, list[FlowSpec]] = {}
+    for f in flows:
+        by_src.setdefault(f.src, []).append(f)
+    lo, hi = EPHEMERAL
+    for src, fs in sorted(by_src.items()):
+        ports = random.Random(f"ark-ecmp-ports-{seed}-{src}").sample(range(lo, hi + 1), len(fs))
+        out.update({f.id: p for f, p in zip(sorted(fs, key=lambda f: f.id), ports, strict=True)})
+    return out
 
 
 def cross_leaf_pairs(st: State, flows: list[FlowSpec]) -> Pairs:

@@ -15,6 +15,7 @@ One run (scheme, QPS, seed):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -36,9 +37,11 @@ from ark.core.flows import FlowSpec
 from ark.testbed import engines
 from ark.testbed.capture import SpineCounters, counting
 from ark.testbed.change import fabric_change
-from ark.testbed.fabric import State, TestbedError, set_link, spawn_in_host
-from ark.testbed.plan import PROBE_CHECK_S, Pairs, cluster_file, cross_leaf_pairs, plan_flows
+from ark.testbed.fabric import State, TestbedError, rekey, set_link, spawn_in_host
+from ark.testbed.plan import PROBE_CHECK_S, Pairs, cluster_file, cross_leaf_pairs, ecmp_ports, plan_flows
+from ark.testbed.predict import predict
 from ark.testbed.probing import Progress, _quiet, probe_or_check
+from ark.testbed.summary import PARTS
 from ark.testbed.transfer import SendPlan
 
 TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance")
@@ -58,9 +61,9 @@ class RunParams:
     fail_link: tuple[int, int, float] | None = None
     engine: str = "builtin"
     buffers: int = 1  # mooncake: requests (one connection each) per KV flow
-    # A control on a machine where every host shares a few cores: ECMP runs start the agents
-    # too (and ask them nothing), so both schemes pay their CPU.
-    ecmp_agents: bool = False
+    # Every host shares this machine's few cores: ECMP runs start the agents too (and ask
+    # them nothing), so every scheme pays their CPU and the comparison is fair.
+    ecmp_agents: bool = True
 
     def check(self, st: State) -> None:
         if self.scheme not in TESTBED_SCHEMES:
@@ -85,6 +88,17 @@ class RunParams:
         if not (0 <= leaf < st.spec.leaves and 0 <= spine < st.spec.spines):
             raise TestbedError(f"fail_link: leaf must be 0..{st.spec.leaves - 1} and spine 0..{st.spec.spines - 1}; "
                                f"got {leaf}:{spine}")
+
+
+def interleaved(seeds: Sequence[int], schemes: Sequence[str]) -> list[tuple[int, str]]:
+    """(seed, scheme) in run order: every scheme once per seed, the order rotated from one
+    seed to the next, so that a machine that drifts (thermal, background load) slows each
+    scheme's runs alike rather than always the one that runs last."""
+    out = []
+    for k, seed in enumerate(seeds):
+        r = k % len(schemes)
+        out += [(seed, sc) for sc in [*schemes[r:], *schemes[:r]]]
+    return out
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
@@ -152,8 +166,9 @@ class TestbedRun:
         names = {h.index: h.name for h in fab.hosts}
         out = []
         for s in self.senders:
-            plan = SendPlan([f for f in self.flows if f.src == s], names, {i: lay.host_ip(i) for i in names},
-                            self.st.spec.dport)
+            mine = [f for f in self.flows if f.src == s]
+            plan = SendPlan(mine, names, {i: lay.host_ip(i) for i in names}, self.st.spec.dport,
+                            ecmp_ports(mine, self.params.seed) if self.params.scheme == "ecmp" else {})
             pf = self.work / f"plan-gpu{s}.json"
             pf.write_bytes(msgspec.json.encode(plan))
             argv = [sys.executable, "-m", "ark.testbed.transfer", "send", "--plan", str(pf), "--src-ip",
@@ -196,7 +211,9 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
     cluster = cluster_file(st, params.scheme if params.scheme != "ecmp" else "ark", params.lease_min_s, params.sample,
                            check_s)
     dports = engines.data_ports(st, sorted({f.dst for f in flows})) if params.engine == "mooncake" else None
-    probe_info = probe_or_check(st, pairs, params.sample, cluster, reprobe, progress, dports)
+    # The seed fixes the switches' hash keys (and ECMP's ports): the same seed, the same paths.
+    keys, rekeyed = rekey(st, params.seed)
+    probe_info = probe_or_check(st, pairs, params.sample, cluster, reprobe or rekeyed, progress, dports)
     tr = TestbedRun(st, params, flows, progress)
     tr.dports = dports or [st.spec.dport]
     change: dict[str, Any] = {}
@@ -206,16 +223,44 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
         if params.scheme != "ecmp" or params.ecmp_agents:
             tr.start_agents(cluster)
         tr.wait_receivers(receivers)
+        cpu = CpuMeter()
         counters = _send(tr, pairs, cluster, change)
+        busy = cpu.busy()
         verified = engines.verify(tr, receivers) if params.engine == "mooncake" else None
     finally:
         _stop(tr.procs)
         if params.fail_link is not None:
             set_link(st, params.fail_link[0], params.fail_link[1], True)
     rec = _record(st, params, flows, tr.results(), counters, probe_info, load, change)
+    rec.update(hash_keys=keys, cpu_busy_fraction=round(busy, 4), cpu_saturated=busy >= SATURATED)
+    # The simulator's answer for exactly these flows, to set beside the measurement.
+    sim = predict(st.spec, flows, params.scheme, params.seed)
+    rec["sim"] = {k: sim[k] for k in ("fct_mean_s", "fct_p50_s", "fct_p95_s", "ideal_mean_s", "fallbacks")}
     if verified is not None:
         engines.add_verdicts(rec, verified)
     return rec
+
+
+SATURATED = 0.95  # a run whose cores were this busy measured the machine, not the fabric
+
+
+class CpuMeter:
+    """The machine's CPU busy fraction (all cores) from now to :meth:`busy`."""
+
+    def __init__(self) -> None:
+        self.start = self._times()
+
+    @staticmethod
+    def _times() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle and iowait
+        return sum(vals), idle
+
+    def busy(self) -> float:
+        total, idle = self._times()
+        dt = total - self.start[0]
+        return 1.0 - (idle - self.start[1]) / dt if dt > 0 else math.nan
 
 
 def _send(tr: TestbedRun, pairs: Pairs, cluster: Path, change: dict[str, Any]) -> SpineCounters:
@@ -270,7 +315,8 @@ def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
     fr: dict[str, Any] = {"id": r["id"], "src": f"gpu{f.src}", "dst": f"gpu{f.dst}", "bytes": f.nbytes,
                           "start_s": f.start_s, "sport": r["sport"], "fct_s": r.get("fct_s"),
                           "error": r["error"], "spine": segs[0]["spine"] if segs else None, "segments": segs}
-    fr.update({k: r[k] for k in ("late_s", "connections", "steer_error", "repathed", "ecmp", "reserve_s") if k in r})
+    fr.update({k: r[k] for k in ("late_s", "connections", "steer_error", "repathed", "ecmp", "reserve_s", *PARTS)
+               if k in r})
     if params.scheme != "ecmp" and r["path"] is not None and lay.leaf_of(f.src) != lay.leaf_of(f.dst):
         fr.update(reserved_spine=r["path"], reserved=r["reserved"], reserve_s=r.get("reserve_s"))
         # Matched: on every connection of the flow, every payload byte crossed the switches
@@ -281,6 +327,10 @@ def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
             for sg in segs
         ) and any(sg["spine_bytes"] for sg in segs)
     return fr
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else math.nan
 
 
 def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[dict[str, Any]],
@@ -301,6 +351,11 @@ def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[d
         "fct_mean_s": float(fct.mean()) if len(fct) else math.nan,
         "fct_p50_s": float(np.percentile(fct, 50)) if len(fct) else math.nan,
         "fct_p95_s": float(np.percentile(fct, 95)) if len(fct) else math.nan,
+        # Where the mean FCT goes (the parts add up to it for flows that recorded them).
+        "fct_parts_mean_s": {k: _mean([r[k] for r in per_flow if r.get(k) is not None]) for k in PARTS},
+        # What the seed fixed: each flow's source port and the top-tier switch its bytes crossed.
+        "paths_digest": hashlib.sha256(json.dumps([[r["id"], r["sport"], r["spine"]] for r in per_flow]).encode())
+        .hexdigest()[:16],
         "errors": sum(1 for r in per_flow if r["error"]),
         "path_match_fraction": sum(checked) / len(checked) if checked else (None if params.scheme == "ecmp" else math.nan),
         "path_checked": len(checked),

@@ -5,8 +5,12 @@ size header and that many bytes, then closes first (so TIME_WAIT sits at the rec
 the sender can reuse its source port at once). ``python -m ark.testbed.transfer send`` runs in a
 prefill host: it starts each planned flow at its time; under ARK the flow first takes a
 lease from the local agent and binds the lease's source port before connect(), under ECMP
-it lets the kernel pick an ephemeral port. A flow's FCT runs from its planned start (so
-it includes the reservation) to the receiver's close.
+it binds the port the plan drew for it from the run's seed (so that a seed fixes ECMP's
+paths too; none planned: the kernel's ephemeral port). A flow's FCT runs from its planned
+start (so it includes the reservation) to the receiver's close, and is recorded in parts:
+``late_s`` (the sender's thread woke after the planned start), ``lease_s`` (asking the
+agent), ``connect_s`` (from the lease to an established connection: the first byte can
+go) and ``transfer_s`` (from there to the receiver's close).
 
 A re-path (the agent moved the reservation to a new port after the fabric re-hashed) is
 followed between chunks: the connection ends early and the rest of the bytes go on a
@@ -40,6 +44,7 @@ class SendPlan(msgspec.Struct):
     names: dict[int, str]  # host index -> cluster name (what the agent is asked for)
     ips: dict[int, str]  # host index -> data address
     dport: int
+    ports: dict[int, int] = {}  # ECMP: flow id -> the source port the run's seed drew
 
     def dst(self, f: FlowSpec) -> tuple[str, int]:
         return self.ips[f.dst], self.dport
@@ -107,13 +112,16 @@ def _connect(src_ip: str, sport: int, dst: tuple[str, int], patience_s: float = 
             time.sleep(0.02)
 
 
-def _segment(src_ip: str, sport: int, dst: tuple[str, int], nbytes: int, moved: Callable[[], bool]) -> tuple[int, int]:
+def _segment(src_ip: str, sport: int, dst: tuple[str, int], nbytes: int,
+             moved: Callable[[], bool]) -> tuple[int, int, float]:
     """Send up to ``nbytes`` on one connection from ``sport``; stop early if ``moved()``.
 
-    Returns (the source port used, bytes delivered). Stopping early shuts the write side:
-    the receiver reads to EOF, so every byte sent so far still arrives.
+    Returns (the source port used, bytes delivered, when the connection was established).
+    Stopping early shuts the write side: the receiver reads to EOF, so every byte sent so
+    far still arrives.
     """
     s = _connect(src_ip, sport, dst)
+    connected = time.time()
     try:
         port = s.getsockname()[1]
         s.sendall(_HEADER.pack(nbytes))
@@ -130,7 +138,7 @@ def _segment(src_ip: str, sport: int, dst: tuple[str, int], nbytes: int, moved: 
         # Done when the receiver closes: every byte has arrived.
         while s.recv(64):
             pass
-        return port, sent
+        return port, sent, connected
     finally:
         s.close()
 
@@ -150,9 +158,9 @@ def _segments(src_ip: str, dst: tuple[str, int], nbytes: int, t0: float, port: i
             return latest[0] != now_port
 
         t = time.time()
-        used, sent = _segment(src_ip, port, dst, left, moved)
+        used, sent, connected = _segment(src_ip, port, dst, left, moved)
         segs.append({"sport": used, "path": path, "reserved": reserved, "start_s": t - t0, "t0": t,
-                     "bytes": sent, "t1": time.time()})
+                     "connected": connected, "bytes": sent, "t1": time.time()})
         left -= sent
         port, path, reserved = latest
     return segs
@@ -170,21 +178,26 @@ def _flow(f: FlowSpec, plan: SendPlan, src_ip: str, t0: float, api: str | None, 
                            "lease_flow": None, "segments": [], "error": None}
     client = ArkClient(api, timeout_s=5.0) if api else None
     dst = plan.dst(f)
+    t = time.time()
+    rec.update(late_s=max(0.0, t - planned), lease_s=0.0)
     try:
-        if client is None:  # ECMP: an ephemeral port, never moved
-            segs = _segments(src_ip, dst, f.nbytes, t0, 0, None, False, None)
+        if client is None:  # ECMP: the planned port (or an ephemeral one), never moved
+            segs = _segments(src_ip, dst, f.nbytes, t0, plan.ports.get(f.id, 0), None, False, None)
         else:
-            t = time.time()
             with client.lease(plan.names[f.dst], f.nbytes, plan.dport) as ls:
-                rec.update(reserve_s=time.time() - t, path=ls.path, reserved=ls.reserved,
-                           lease_flow=list(ls.flow_id))
+                took = time.time() - t
+                rec.update(reserve_s=took, lease_s=took, path=ls.path, reserved=ls.reserved, lease_flow=list(ls.flow_id))
 
                 def current() -> tuple[int, int, bool]:
                     c = client.current(ls.flow_id)
                     return c.src_port, c.path, c.reserved
 
                 segs = _segments(src_ip, dst, f.nbytes, t0, ls.src_port, ls.path, ls.reserved, current)
-        rec.update(segments=segs, sport=segs[0]["sport"] if segs else None, fct_s=time.time() - planned)
+        done = time.time()
+        rec.update(segments=segs, sport=segs[0]["sport"] if segs else None, fct_s=done - planned)
+        if segs:
+            lease_at = t + rec["lease_s"]
+            rec.update(connect_s=max(0.0, segs[0]["connected"] - lease_at), transfer_s=done - segs[0]["connected"])
     except (OSError, ArkClientError) as e:
         rec["error"] = f"{type(e).__name__}: {e}"
     finally:
