@@ -73,6 +73,17 @@ class ByzNet:
                     self.emit(h, n.tick(t), t)
             t += step
 
+    def renewing(self, flows: list[tuple[int, tuple[int, int]]], t0: float, t1: float) -> float:
+        """Owners renew ``flows`` ((host, flow)) every 0.5 s while time runs from t0 to t1;
+        returns the time reached."""
+        t = t0
+        while t < t1:
+            for h, f in flows:
+                self.emit(h, self.nodes[h].renew(f, t)[1], t)
+            self.run(t, t + 0.45)
+            t += 0.5
+        return t
+
     def restart(self, h: int, now: float) -> Node:
         self.inc[h] += 1
         node = self.nodes[h] = self._node(h)
@@ -139,11 +150,7 @@ def _frozen_pair(net: ByzNet) -> tuple[tuple[int, int], int]:
     net.emit(1, outs_b, 1.0)
     assert (a.path, b.path) == (0, 0) and net.nodes[1].lease_of(b.flow_id).path == 1
     net.emit(0, net.nodes[0].release(a.flow_id, 2.0), 2.0)
-    t = 2.0
-    while t < 4.5:
-        net.emit(1, net.nodes[1].renew(b.flow_id, t)[1], t)
-        net.run(t, t + 0.45)
-        t += 0.5
+    net.renewing([(1, b.flow_id)], 2.0, 4.5)
     assert all(n.core.frozen().get(b.flow_id) == (1, False) for n in net.nodes.values())
     return b.flow_id, 1
 
@@ -223,12 +230,8 @@ def test_a_liar_cannot_move_its_own_old_flow_onto_another_hosts_path() -> None:
     victim, outs = net.nodes[0].reserve(8, 10**12, 1.1)
     net.emit(0, outs, 1.1)
     assert (mine.path, victim.path) == (0, 1)
-    t = 1.2
-    while t < 4.0:
-        for h, f in ((LIAR, mine.flow_id), (0, victim.flow_id)):
-            net.emit(h, net.nodes[h].renew(f, t)[1], t)
-        net.run(t, t + 0.45)
-        t += 0.5
+    both = [(LIAR, mine.flow_id), (0, victim.flow_id)]
+    net.renewing(both, 1.2, 4.0)
     lie = claims([[LIAR, mine.flow_id[1], victim.path, False]])
 
     def rewrite(src: int, dst: int, data: bytes) -> bytes:
@@ -239,12 +242,7 @@ def test_a_liar_cannot_move_its_own_old_flow_onto_another_hosts_path() -> None:
         return lie(src, dst, data)
 
     net.rewrite = rewrite
-    t = 4.0
-    while t < 7.0:  # several rounds of syncs with the liar
-        for h, f in ((LIAR, mine.flow_id), (0, victim.flow_id)):
-            net.emit(h, net.nodes[h].renew(f, t)[1], t)
-        net.run(t, t + 0.45)
-        t += 0.5
+    t = net.renewing(both, 4.0, 7.0)  # several rounds of syncs with the liar
     for h, n in net.nodes.items():
         if h != LIAR:
             assert n.core.table(at=t)[mine.flow_id][0] == mine.path and n.counters.frozen_conflicts >= 2

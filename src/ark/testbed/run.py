@@ -41,7 +41,7 @@ from ark.testbed.fabric import State, TestbedError, rekey, set_link, spawn_in_ho
 from ark.testbed.plan import PROBE_CHECK_S, Pairs, cluster_file, cross_leaf_pairs, ecmp_ports, plan_flows
 from ark.testbed.predict import predict
 from ark.testbed.probing import Progress, _quiet, probe_or_check
-from ark.testbed.summary import PARTS
+from ark.testbed.summary import PARTS, finite_mean
 from ark.testbed.transfer import SendPlan
 
 TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance")
@@ -329,10 +329,6 @@ def _flow_record(st: State, params: RunParams, f: FlowSpec, r: dict[str, Any],
     return fr
 
 
-def _mean(xs: list[float]) -> float:
-    return float(np.mean(xs)) if xs else math.nan
-
-
 def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[dict[str, Any]],
             counters: SpineCounters, probe_info: dict[str, Any], load: float, change: dict[str, Any]) -> dict[str, Any]:
     by_id = {f.id: f for f in flows}
@@ -352,7 +348,7 @@ def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[d
         "fct_p50_s": float(np.percentile(fct, 50)) if len(fct) else math.nan,
         "fct_p95_s": float(np.percentile(fct, 95)) if len(fct) else math.nan,
         # Where the mean FCT goes (the parts add up to it for flows that recorded them).
-        "fct_parts_mean_s": {k: _mean([r[k] for r in per_flow if r.get(k) is not None]) for k in PARTS},
+        "fct_parts_mean_s": {k: finite_mean([r.get(k) for r in per_flow]) for k in PARTS},
         # What the seed fixed: each flow's source port and the top-tier switch its bytes crossed.
         "paths_digest": hashlib.sha256(json.dumps([[r["id"], r["sport"], r["spine"]] for r in per_flow]).encode())
         .hexdigest()[:16],

@@ -41,7 +41,7 @@ def fct_parts(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for scheme in dict.fromkeys(r["scheme"] for r in records):
         runs = [r.get("fct_parts_mean_s", {}) for r in records if r["scheme"] == scheme]
-        out[scheme] = {k: _mean([p[k] for p in runs if k in p]) for k in PARTS}
+        out[scheme] = {k: finite_mean([p.get(k) for p in runs]) for k in PARTS}
     return out
 
 
@@ -50,6 +50,7 @@ def saturated(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             for r in records if r.get("cpu_saturated")]
 
 
-def _mean(xs: Sequence[float]) -> float:
+def finite_mean(xs: Sequence[float | None]) -> float:
+    """The mean of the finite values (nan when there is none)."""
     vals = [x for x in xs if x is not None and math.isfinite(x)]
     return sum(vals) / len(vals) if vals else math.nan
