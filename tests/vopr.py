@@ -9,6 +9,8 @@ unscoped seeds make one host *Byzantine*: a listed peer that runs a correct node
 in what it sends (frozen-assignment claims about others' flows in its snapshots, captured
 signed messages of other hosts relayed again, a clock that reads differently to different
 peers); it starts no flows, and the invariants below are checked on the honest hosts only.
+A third of the requests are multi-path leases (:meth:`Node.reserve_split`, 2-5 parts held
+and released together); each part must then keep every invariant a single flow keeps.
 Invariants are checked after every step; a violation raises :class:`Violation` naming the
 seed, and ``python -m tests.vopr SEED`` reruns it.
 
@@ -140,6 +142,8 @@ class Sim:
         self.scope, self.sends_to = _draw_scope(random.Random(f"scope-{self.seed}"))
         brng = random.Random(f"byzantine-{self.seed}")
         self.liar = Liar(brng.randrange(N), brng) if self.scope is None and brng.random() < 0.25 else None
+        self.split_rng = random.Random(f"split-{self.seed}")
+        self.splits = 0  # multi-path leases taken
         self.skew = [self.rng.uniform(-self.faults.skew, self.faults.skew) for _ in range(N)]
         self.skew[self.rng.randrange(N)] += self.faults.outlier
         self.incarnation = [1] * N
@@ -287,16 +291,25 @@ class Sim:
             return
         dst = self.rng.choice(dsts)
         nbytes = self.rng.choice([10**6, 10**8, 10**9])
+        # A third of the requests are multi-path leases (2-5 parts, more than the paths at
+        # times), drawn apart so that the main stream of draws stays as it was.
+        parts = self.split_rng.randint(2, 5) if self.split_rng.random() < 1 / 3 else 1
         try:
-            lease, outs = node.reserve(dst, nbytes, self.local(src))
+            if parts == 1:
+                leases, outs = node.reserve(dst, nbytes, self.local(src))
+                leases = [leases]
+            else:
+                leases, outs = node.reserve_split(dst, nbytes, self.local(src), parts)
+                self.splits += 1
         except NotReady:
             return
         self._emit(src, outs)
         self.check_host(src)
         dur = self.rng.uniform(0.01, 1.5)
-        self.clients[lease.flow_id] = Client(lease.flow_id, src, self.incarnation[src], self.t + dur)
-        self._push(self.t + dur, "finish", (lease.flow_id,))
-        self._push(self.t + LEASE.min_s / 3, "renew", (lease.flow_id,))
+        for lease in leases:  # the parts of a split are held, renewed and released together
+            self.clients[lease.flow_id] = Client(lease.flow_id, src, self.incarnation[src], self.t + dur)
+            self._push(self.t + dur, "finish", (lease.flow_id,))
+            self._push(self.t + LEASE.min_s / 3, "renew", (lease.flow_id,))
 
     def client_dies(self) -> None:
         live = [c for c in self.clients.values() if c.alive]

@@ -189,6 +189,16 @@ with ArkClient(sys.argv[1]).lease(sys.argv[2], 10**12) as held:
     print(held.flow_id[0], held.flow_id[1], flush=True)
     time.sleep(600)
 """,
+    # A multi-path lease of four parts (one finds every path taken: plain ECMP, in no
+    # table): every part is released.
+    "split": """
+import sys, time
+from ark.agent.client import ArkClient
+with ArkClient(sys.argv[1]).lease(sys.argv[2], 10**12, parts=4) as held:
+    assert sum(p.reserved for p in held.parts) == 3
+    print(*(v for p in held.parts if p.reserved for v in p.flow_id), flush=True)
+    time.sleep(600)
+""",
     # Reserved, then its connection closed: nothing on the API socket tells its death.
     "closed": """
 import sys, time
@@ -214,14 +224,15 @@ def _killed_holder(b: Bed, script: str) -> float:
         assert p.stdout is not None
         line = p.stdout.readline()
         assert line, "the client did not get a lease"
-        flow = tuple(int(v) for v in line.split())
+        vals = [int(v) for v in line.split()]
+        flows = set(zip(vals[::2], vals[1::2], strict=True))
         deadline = time.monotonic() + 5
-        while not all(flow in f for f in _flows(b).values()) and time.monotonic() < deadline:
+        while not all(flows <= f for f in _flows(b).values()) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert all(flow in f for f in _flows(b).values())
+        assert all(flows <= f for f in _flows(b).values())
         os.kill(p.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        while any(flow in f for f in _flows(b).values()) and time.monotonic() - t0 < 10:
+        while any(flows & f for f in _flows(b).values()) and time.monotonic() - t0 < 10:
             time.sleep(0.01)
         return time.monotonic() - t0
     finally:
@@ -241,4 +252,5 @@ def test_the_leases_of_a_killed_client_are_released_within_the_bound() -> None:
         assert all(s <= CHECK_S + 0.3 for s in released.values()), released
         time.sleep(CHECK_S + 0.2)  # a full periodic check later, the live process's flow is there
         assert all(mine.flow_id in f for f in _flows(b).values())
-        assert b.procs.status([src])[src]["node"]["vanished_client_releases"] == len(_HOLDERS)
+        # One flow per single-path holder, four for the multi-path one.
+        assert b.procs.status([src])[src]["node"]["vanished_client_releases"] == len(_HOLDERS) + 3

@@ -370,3 +370,55 @@ def test_scoped_agents_talk_only_within_their_declared_traffic(tmp_path) -> None
         assert procs.status(["gpu2"])["gpu2"]["node"]["received"] == 0
     finally:
         procs.stop_all()
+
+
+def test_multi_path_lease_over_real_sockets(trio) -> None:
+    procs, cl, running, _x = trio
+    src = running[0]
+    dst = other_leaf(cl, src)
+    pm = cl.pathmaps()(cl.host(src).index, cl.host(dst).index, 4791)
+    with ArkClient(procs.api(src)) as c:
+        parts = c.reserve_split(dst, 3 * 10**6, parts=3)
+        assert len({p.path for p in parts}) == 3 and all(p.reserved for p in parts)
+        assert [pm.path_of(p.src_port) for p in parts] == [p.path for p in parts]
+        time.sleep(0.2)
+        t = tables(procs, running)
+        assert len({v["digest"] for v in t.values()}) == 1 and all(len(v["flows"]) == 3 for v in t.values())
+        renewed = c.renew_split([p.flow_id for p in parts])
+        assert [r.flow_id for r in renewed] == [p.flow_id for p in parts]
+        assert all(r.expires > p.expires for r, p in zip(renewed, parts, strict=True))
+        # A part that is gone (released on its own here) fails the whole renewal: the lease is lost.
+        c.release(parts[1].flow_id)
+        with pytest.raises(ArkClientError, match="not an active local flow"):
+            c.renew_split([p.flow_id for p in parts])
+        c.release_split([parts[0].flow_id, parts[2].flow_id])
+        time.sleep(0.2)
+        assert all(v["flows"] == [] for v in tables(procs, running).values())
+        # The size-aware default: one part per split_part_bytes, at most one per path.
+        assert len(c.reserve_split(dst, 1, parts=0)) == 1
+        auto = c.reserve_split(dst, 10**12, parts=0)
+        assert len(auto) == cl.fabric.n_paths(cl.host(src).index, cl.host(dst).index)
+        c.release_split([p.flow_id for p in auto])
+        for req, why in (({"parts": 17}, r"^parts: must be <= 16"), ({"parts": -1}, r"^parts: must be >= 0"),
+                         ({"parts": "2"}, r"^parts: must be an integer")):
+            with pytest.raises(ArkClientError, match=why):
+                c.call({"op": "reserve", "dst": dst, "nbytes": 1, **req})
+        with pytest.raises(ArkClientError, match="give either flow"):
+            c.call({"op": "renew", "flow": [0, 1], "flows": [[0, 1]]})
+        with pytest.raises(ArkClientError, match="give either flow"):
+            c.call({"op": "release"})
+        with pytest.raises(ArkClientError, match=r"^flows: must be a list of length <= 16"):
+            c.call({"op": "release", "flows": [[0, k] for k in range(17)]})
+
+
+def test_multi_path_lease_context_manager_renews_and_releases_every_part(trio) -> None:
+    procs, cl, running, _x = trio
+    src = running[1]
+    with ArkClient(procs.api(src)) as c, c.lease(other_leaf(cl, src), 2 * 10**6, parts=2) as held:
+        assert len(held.parts) == 2 and len(set(held.paths)) == 2 and len(set(held.src_ports)) == 2
+        time.sleep(1.5)  # more than two lease periods: only renewals keep the parts alive
+        held.check()
+        t = tables(procs, running)
+        assert all({tuple(f[:2]) for f in v["flows"]} == set(held.flow_ids()) for v in t.values())
+    time.sleep(0.2)
+    assert all(v["flows"] == [] for v in tables(procs, running).values())

@@ -15,7 +15,7 @@ import msgpack
 import pytest
 import zmq
 
-from ark.agent.client import AgentNotReady, ArkClient, ArkClientError
+from ark.agent.client import AgentNotReady, ArkClient, ArkClientError, LeaseLost
 
 LEASE = {"flow_id": [0, 7], "dst": 8, "path": 2, "src_port": 50000, "flow_label": 0x3350,
          "expires": 0.0, "reserved": True}
@@ -115,5 +115,54 @@ def test_lease_renews_while_the_body_runs_and_releases_at_exit(endpoint) -> None
             assert lease.flow_id == (0, 7)
         ops = [r["op"] for r in peer.requests]
         assert ops[0] == "reserve" and ops[-1] == "release" and ops.count("renew") >= 2
+    finally:
+        peer.close()
+
+
+def _split_reply(refuse_renewals_after: int) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    renewals = 0
+
+    def answer(req: dict[str, Any]) -> dict[str, Any]:
+        nonlocal renewals
+        expires = time.time() + 0.3
+        parts = [{**LEASE, "flow_id": [0, 7 + k], "path": k, "src_port": 50000 + k, "expires": expires}
+                 for k in range(2)]
+        if req["op"] == "reserve":
+            return {"ok": True, "leases": parts}
+        if req["op"] == "renew":
+            renewals += 1
+            if renewals > refuse_renewals_after:
+                return {"ok": False, "error": "flow: (0, 8) is not an active local flow (released or expired)"}
+            return {"ok": True, "leases": parts}
+        return {"ok": True}
+    return answer
+
+
+def test_a_multi_path_lease_renews_and_releases_its_parts_as_one(endpoint) -> None:
+    peer = Peer(endpoint, _split_reply(refuse_renewals_after=10**6))
+    try:
+        with ArkClient(endpoint) as c, c.lease("gpu8", 10**9, parts=2) as held:
+            time.sleep(0.5)
+            assert held.flow_ids() == [(0, 7), (0, 8)] and held.src_ports == [50000, 50001] and held.paths == [0, 1]
+            held.check()
+        reserve, *middle, release = peer.requests
+        assert reserve == {"op": "reserve", "dst": "gpu8", "nbytes": 10**9, "dport": 4791, "parts": 2}
+        assert middle and all(r == {"op": "renew", "flows": [[0, 7], [0, 8]]} for r in middle)
+        assert release == {"op": "release", "flows": [[0, 7], [0, 8]]}
+        with pytest.raises(AttributeError, match="see .parts"):
+            _ = held.src_port
+    finally:
+        peer.close()
+
+
+def test_a_multi_path_lease_is_lost_when_a_part_cannot_be_renewed(endpoint) -> None:
+    peer = Peer(endpoint, _split_reply(refuse_renewals_after=1))
+    lost: list[Any] = []
+    try:
+        with ArkClient(endpoint) as c, c.lease("gpu8", 10**9, parts=2, on_lost=lost.append) as held:
+            assert held.lost.wait(2.0)
+            with pytest.raises(LeaseLost, match=r"\[\(0, 7\), \(0, 8\)\].*not an active local flow"):
+                held.check()
+        assert lost == [held] and peer.requests[-1]["op"] == "renew"  # a lost lease is not released
     finally:
         peer.close()

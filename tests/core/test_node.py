@@ -11,6 +11,7 @@ from ark.core.node import (
     K_HELLO,
     K_SYNC_REP,
     Node,
+    NodeLimits,
     NotReady,
     Publish,
     decode_envelope,
@@ -318,3 +319,69 @@ def test_snapshot_parts_never_split_one_flows_messages() -> None:
         assert hi == len(flows) or flows[hi] != flows[hi - 1]
         seen = hi
     assert seen == len(flows)
+
+
+def test_a_split_lease_takes_distinct_paths_and_every_replica_holds_each_part() -> None:
+    net = Net()
+    net.start()
+    leases, outs = net.nodes[0].reserve_split(8, 3 * 10**9 + 1, 2.0, 3)
+    assert [le.path for le in leases] == [0, 1, 2] and all(le.reserved for le in leases)
+    assert len({le.flow_id for le in leases}) == 3 and len({le.src_port for le in leases}) == 3
+    assert [MAPS(0, 8, 4791).path_of(le.src_port) for le in leases] == [0, 1, 2]
+    net.emit(0, outs, 2.0)
+    assert len(net.digests(2.0)) == 1
+    assert all(le.flow_id in net.nodes[9].core.table() for le in leases)
+    # Each part is renewed and released on its own; releasing them all clears every replica.
+    for le in leases:
+        renewed, outs = net.nodes[0].renew(le.flow_id, 2.5)
+        assert renewed.expires > le.expires
+        net.emit(0, outs, 2.5)
+    for le in leases:
+        net.emit(0, net.nodes[0].release(le.flow_id, 2.6), 2.6)
+    assert all(not n.core.table() for n in net.nodes.values())
+
+
+def test_a_split_lease_beyond_the_free_paths_falls_back_part_by_part() -> None:
+    net = Net()
+    net.start()
+    # Four paths from leaf 0 to leaf 1: five parts under policy ark leave the fifth unreserved.
+    leases, outs = net.nodes[0].reserve_split(8, 5 * 10**6, 2.0, 5)
+    assert sorted(le.path for le in leases[:4]) == [0, 1, 2, 3] and all(le.reserved for le in leases[:4])
+    assert not leases[4].reserved and leases[4].fallback == "no free path"
+    with pytest.raises(CoreError, match="parts: must be 1..16"):
+        net.nodes[0].reserve_split(8, 10**6, 2.0, 17)
+    with pytest.raises(CoreError, match="nbytes"):
+        net.nodes[0].reserve_split(8, -1, 2.0, 2)
+    # A fenced host (its clock is off) gets every part as plain ECMP, with the reason.
+    net.nodes[1].skewed = "clock off"
+    fenced, outs = net.nodes[1].reserve_split(9, 10**6, 2.0, 2)
+    assert outs == [] and all(not le.reserved and le.fallback == "clock skewed" for le in fenced)
+
+
+def test_the_parts_beyond_the_local_flow_cap_are_plain_ecmp_kept_nowhere() -> None:
+    n = Node(0, FAB, MAPS, [], incarnation=1, limits=NodeLimits(max_local_flows=3))
+    n.start(0.0)
+    leases, _outs = n.reserve_split(8, 5 * 10**6, 1.0, 5)
+    assert [le.reserved for le in leases] == [True, True, True, False, False]
+    assert all(le.fallback == "cap: 3 live local flows" for le in leases[3:])
+    assert len(n.local_flows()) == 3 and len({le.path for le in leases[:3]}) == 3
+
+
+def test_a_part_that_loses_a_race_is_repathed_and_its_lease_follows() -> None:
+    net = Net()
+    net.start()
+    a, b = net.nodes[0], net.nodes[1]
+    early, early_outs = b.reserve(9, 10**9, 1.999)  # the smaller key, not yet heard by host 0
+    leases, outs = a.reserve_split(8, 2 * 10**9, 2.0, 2)
+    assert early.path == leases[0].path == 0  # both took the lowest free path
+    net.emit(1, early_outs, 2.0)
+    net.emit(0, outs, 2.0)
+    # Host 0 recomputes its parts behind the earlier flow: each moves to the next free
+    # path (a reserved path holds one flow, so the parts stay apart) and its lease follows.
+    now = [a.lease_of(le.flow_id) for le in leases]
+    assert [le.path for le in now] == [1, 2] and all(le.reserved for le in now)
+    assert [MAPS(0, 8, 4791).path_of(le.src_port) for le in now] == [1, 2]
+    assert len(net.digests(2.0)) == 1
+    # What a renewal of the lease answers (the client's parts follow it), under the same ids.
+    renewed = [a.renew(le.flow_id, 2.2)[0] for le in leases]
+    assert [(r.flow_id, r.path, r.src_port) for r in renewed] == [(le.flow_id, le.path, le.src_port) for le in now]

@@ -41,9 +41,16 @@ def test_split_parts_share_the_least_backlogged_paths_when_none_is_free() -> Non
     assert sorted(d.path for d in more[:4]) == [0, 1, 2, 3] and more[4].path == 1
 
 
-def test_split_needs_its_policy_and_a_sane_part_count() -> None:
-    with pytest.raises(CoreError, match="request_split: needs policy ark-split"):
-        _core(policy="ark-balance").request_split(8, 10**9, 0.0, 2)
+def test_split_under_ark_takes_free_paths_then_plain_ecmp() -> None:
+    core = _core(policy="ark")
+    for k in range(3):  # another host holds paths 0-2: one free path is left
+        core.receive(Reserve((1, k + 1), 0.0, 1, 9, 4791, k, 49152 + k, 10**9, 1e11), 0.0)
+    decs = core.request_split(8, 2 * 10**9, 0.001, 2)
+    assert decs[0].reserved and decs[0].path == 3 and not decs[0].shared
+    assert not decs[1].reserved and decs[1].fallback and decs[1].why == "no free path"
+
+
+def test_split_needs_a_sane_part_count() -> None:
     with pytest.raises(CoreError, match="parts: must be 1..64"):
         _core().request_split(8, 10**9, 0.0, 0)
 

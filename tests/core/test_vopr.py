@@ -54,6 +54,11 @@ def test_same_seed_same_run() -> None:
     assert [n.core.digest() for n in a.nodes if n] == [n.core.digest() for n in b.nodes if n]
 
 
+def test_a_third_of_the_requests_are_multi_path_leases() -> None:
+    sim = vopr.run(3)
+    assert sim.splits >= 10 and sim.checks > 0
+
+
 def test_about_half_the_seeds_run_scoped_and_scoped_replicas_hold_only_their_component() -> None:
     sims = [vopr.Sim(s) for s in range(40)]
     scoped = [s for s in sims if s.scope is not None]

@@ -22,7 +22,7 @@ from ark.agent import cluster as clmod
 from ark.agent.client import ArkClient
 from ark.agent.loopback import AgentProcs, write_cluster
 from ark.integrations import preload
-from ark.integrations.mooncake import SteeringError, parse_target, pool_enabled
+from ark.integrations.mooncake import SteeredTransferEngine, SteeringError, parse_target, pool_enabled
 
 pytest.importorskip("mooncake.engine", reason="the mooncake extra is not installed")
 
@@ -66,6 +66,8 @@ n = 4 << 20
 src = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
 if mode == "steered":  # as a serving engine would: the wrapper in place of TransferEngine
     plain = eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"})
+elif mode == "split":  # a multi-path lease of two parts per transfer
+    plain = eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"}, parts=2)
 else:
     plain = TransferEngine()
 assert plain.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -82,6 +84,15 @@ if mode == "steered":
         out[k] = {"dport": x.dport, "path": x.lease.path if x.lease else None, "port_paths": x.port_paths, "ecmp": x.ecmp, "flow": list(x.lease.flow_id) if x.lease else None,
                   "ports": x.ports, "steered": x.steered, "error": x.error,
                   "conns": [[c.sport, c.dport, c.steered] for c in x.connections]}
+elif mode == "split":
+    q = n // 8
+    rc = eng.batch_transfer_sync_write(target, [src.ctypes.data + i * q for i in range(8)],
+                                       [info["addr"] + i * q for i in range(8)], [q] * 8)
+    t = eng.last_transfer()
+    out = {"rc": [rc], "dport": t.dport, "paths": [le.path for le in t.leases], "reserved": [le.reserved for le in t.leases],
+           "port_paths": t.port_paths, "port_parts": t.port_parts, "parts_used": t.connection_parts(),
+           "steered": t.steered, "error": t.error, "repathed": t.repathed,
+           "conns": [[c.sport, c.dport, c.steered] for c in t.connections]}
 else:  # the plain engine in a preloaded process (its own default, pooled lanes, or one-shot): observed only
     if loaded():
         with Rule("127.0.0.2", skip_port=info["rpc"], steer=False) as r:
@@ -173,6 +184,25 @@ def test_steered_writes_use_ports_of_the_leased_path_and_release(agents, tmp_pat
         st = c.status()
         assert st["local_flows"] == 0 and st["reservations"] == 0
         assert st["core"]["reserved"] == 2
+
+
+def test_a_multi_path_lease_puts_a_transfers_connections_on_its_parts_round_robin(agents, tmp_path) -> None:
+    procs, cl, _names = agents
+    p, info, done = _receiver(tmp_path)
+    out = _send(info, procs.api("gpu0"), "split")
+    assert out["rc"] == [0] and _verified(p, done, 4 << 20)
+    assert out["steered"] and out["error"] is None and not out["repathed"]
+    assert out["reserved"] == [True, True] and len(set(out["paths"])) == 2
+    pm = cl.pathmaps()(cl.host("gpu0").index, cl.host("gpu1").index, out["dport"])
+    # Eight connections, four per part, alternating; each on a port of its own part's path.
+    used = [c[0] for c in out["conns"]]
+    assert len(set(used)) == 8 and sorted(out["parts_used"]) == [0] * 4 + [1] * 4
+    assert [pm.path_of(s) for s in used] == [out["paths"][k] for k in out["parts_used"]]
+    assert {int(s): k for s, k in out["port_parts"].items() if int(s) in used} == dict(zip(used, out["parts_used"], strict=True))
+    time.sleep(0.3)
+    with ArkClient(procs.api("gpu0")) as c:
+        st = c.status()
+        assert st["local_flows"] == 0 and st["reservations"] == 0 and st["core"]["reserved"] == 2
 
 
 HELD = """
@@ -308,3 +338,6 @@ def test_bad_targets_and_pooled_lanes_are_refused() -> None:
             parse_target(bad)
     assert pool_enabled({"MC_TCP_ENABLE_CONNECTION_POOL": "1"}) and pool_enabled({})  # unset: pooled, the default
     assert not pool_enabled({"MC_TCP_ENABLE_CONNECTION_POOL": "false"})
+    for bad in (17, -1, True, "2", 1.5):
+        with pytest.raises(SteeringError, match=r"^parts: expected None or an integer 0..16"):
+            SteeredTransferEngine(engine=object(), agent="ipc:///nowhere", hosts={}, parts=bad)

@@ -9,6 +9,7 @@ import socket
 import numpy as np
 import pytest
 
+from ark.agent.cluster import ClusterSettings
 from ark.agent.probe import ProbeError, ProbeResult, pathmap_from_probes, probe_ports, sample_ports
 from ark.core.pathmap import PROBED, PathMap, PathMapError, PortBuckets
 from ark.core.protocol import ArkCore
@@ -268,6 +269,26 @@ def test_small_run_ark_flows_cross_their_reserved_spines(bed):
     assert sum(ecmp["flows_per_spine"]) == 16  # counters saw every flow on some spine
     # Same plan, same bytes: only the paths differ.
     assert [f["bytes"] for f in ecmp["flows"]] == [f["bytes"] for f in ark["flows"]]
+
+
+@root
+@needs_ns
+def test_ark_split_flows_send_on_every_part_each_across_its_own_spine(bed):
+    from ark.testbed import run as tr
+
+    st, _ = bed
+    rec = tr.run(st, tr.RunParams(scheme="ark-split", requests=12, qps=8.0, seed=2, sample=64), reprobe=False)
+    assert rec["errors"] == 0 and rec["path_checked"] == 12 and rec["path_match_fraction"] == 1.0
+    assert rec["sim"]["fct_mean_s"] > 0  # the simulator's ark-split over the same flows
+    part_bytes = round(ClusterSettings().split_part_bytes * st.spec.scale)  # scaled like the flows
+    for f in rec["flows"]:
+        segs, n = f["segments"], min(4, -(-f["bytes"] // part_bytes))
+        # The agent's choice: one part per split_part_bytes, at most one per spine, each its
+        # own connection from a port of its own path; together they carry the bytes once.
+        assert len(segs) == n and sorted(sg["part"] for sg in segs) == list(range(n))
+        assert len({sg["path"] for sg in segs}) == n and len({sg["sport"] for sg in segs}) == n
+        assert all(set(sg["spine_bytes"]) == {str(sg["path"])} for sg in segs if sg["bytes"])
+        assert sum(sg["bytes"] for sg in segs) == f["bytes"]
 
 
 @root

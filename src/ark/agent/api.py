@@ -18,7 +18,7 @@ import msgspec
 
 from ark.agent.cluster import ClusterError
 from ark.core.messages import ProtocolError
-from ark.core.node import Lease, NotReady
+from ark.core.node import MAX_SPLIT_PARTS, Lease, NotReady
 from ark.core.protocol import CoreError
 from ark.core.schema import ConfigError, Port, convert
 
@@ -42,10 +42,30 @@ class ReserveReq(_Req):
     dst: Host
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_NBYTES)]
     dport: Port | None = None
+    # A multi-path lease of this many parts (0: the agent's size-aware choice); the reply
+    # then has "leases", one per part. None: one path, the reply has "lease".
+    parts: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPLIT_PARTS)] | None = None
+
+
+FlowId = tuple[_U32, _U63]
 
 
 class FlowReq(_Req):
-    flow: tuple[_U32, _U63]
+    flow: FlowId
+
+
+class FlowsReq(_Req):
+    """renew and release: one flow, or the parts of a multi-path lease as one."""
+
+    flow: FlowId | None = None
+    flows: Annotated[list[FlowId], msgspec.Meta(min_length=1, max_length=MAX_SPLIT_PARTS)] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.flow is None) == (self.flows is None):
+            raise ValueError("flow: give either flow (one lease) or flows (the parts of one); not both, not neither")
+
+    def ids(self) -> list[tuple[int, int]]:
+        return [self.flow] if self.flow is not None else list(self.flows or ())
 
 
 class RefreshReq(_Req):
@@ -67,11 +87,18 @@ class MorePortsReq(_Req):
 
 
 REQUESTS: dict[str, type[_Req]] = {
-    "reserve": ReserveReq, "renew": FlowReq, "release": FlowReq, "lease": FlowReq, "more_ports": MorePortsReq,
+    "reserve": ReserveReq, "renew": FlowsReq, "release": FlowsReq, "lease": FlowReq, "more_ports": MorePortsReq,
     "reload": _Req,
     "refresh": RefreshReq, "status": StatusReq, "table": _Req, "ports": PortsReq, "metrics": _Req,
 }
 OPS = tuple(REQUESTS)
+
+
+def split_parts(nbytes: int, paths: int, part_bytes: int) -> int:
+    """The size-aware part count of a multi-path lease: one part per ``part_bytes`` of the
+    transfer, at most one per path between the hosts (and at most MAX_SPLIT_PARTS); a
+    part smaller than that would pay a connection and a reservation for little gain."""
+    return max(1, min(paths, MAX_SPLIT_PARTS, -(-nbytes // part_bytes)))
 
 
 def lease_dict(lease: Lease) -> dict[str, Any]:
@@ -138,23 +165,50 @@ class LocalApi:
 
     # ------------------------------------------------------------------ ops
     def op_reserve(self, req: ReserveReq, rid: bytes, now: float) -> Reply:
-        lease, outs = self.agent.node.reserve(self._host(req.dst, "dst"), req.nbytes, now, self._dport(req.dport))
+        node, dst, dport = self.agent.node, self._host(req.dst, "dst"), self._dport(req.dport)
+        if req.parts is None:
+            lease, outs = node.reserve(dst, req.nbytes, now, dport)
+            self.agent.emit(outs)
+            self._hold([lease])
+            return {"ok": True, "lease": lease_dict(lease)}
+        parts = req.parts or split_parts(req.nbytes, node.core.routes.n_paths(node.host, dst),
+                                         self.agent.cluster.split_part_bytes)
+        leases, outs = node.reserve_split(dst, req.nbytes, now, parts, dport)
         self.agent.emit(outs)
-        if self.agent.node.holds(lease.flow_id):  # an untracked ECMP lease holds nothing to release
-            self.agent.holders.hold(lease.flow_id, self.pid)
-        return {"ok": True, "lease": lease_dict(lease)}
+        self._hold(leases)
+        return {"ok": True, "leases": [lease_dict(le) for le in leases]}
 
-    def op_renew(self, req: FlowReq, rid: bytes, now: float) -> Reply:
-        lease, outs = self.agent.node.renew(req.flow, now)
-        self.agent.emit(outs)
-        if self.agent.node.holds(lease.flow_id):  # an untracked ECMP lease holds nothing to release
-            self.agent.holders.hold(lease.flow_id, self.pid)
-        return {"ok": True, "lease": lease_dict(lease)}
+    def op_renew(self, req: FlowsReq, rid: bytes, now: float) -> Reply:
+        node, flows = self.agent.node, req.ids()
+        for f in flows:  # all or nothing: a part that is gone fails the whole lease
+            node.lease_of(f, now)
+        leases = []
+        for f in flows:
+            lease, outs = node.renew(f, now)
+            self.agent.emit(outs)
+            leases.append(lease)
+        self._hold(leases)
+        if req.flow is not None:
+            return {"ok": True, "lease": lease_dict(leases[0])}
+        return {"ok": True, "leases": [lease_dict(le) for le in leases]}
 
-    def op_release(self, req: FlowReq, rid: bytes, now: float) -> Reply:
-        self.agent.emit(self.agent.node.release(req.flow, now))
-        self.agent.holders.drop(req.flow)
+    def op_release(self, req: FlowsReq, rid: bytes, now: float) -> Reply:
+        gone: CoreError | None = None
+        for f in req.ids():  # every part that is still held is released, even after one that is not
+            try:
+                self.agent.emit(self.agent.node.release(f, now))
+            except CoreError as e:
+                gone = gone or e
+            self.agent.holders.drop(f)
+        if gone is not None:
+            raise gone
         return {"ok": True}
+
+    def _hold(self, leases: list[Lease]) -> None:
+        """The requesting process holds these flows (released if it vanishes)."""
+        for lease in leases:
+            if self.agent.node.holds(lease.flow_id):  # an untracked ECMP lease holds nothing to release
+                self.agent.holders.hold(lease.flow_id, self.pid)
 
     def op_lease(self, req: FlowReq, rid: bytes, now: float) -> Reply:
         return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(req.flow, now))}

@@ -83,7 +83,49 @@ class HeldLease:
 
     def check(self) -> None:
         if self.lost.is_set():
-            raise LeaseLost(f"lease {self.current.flow_id}: {self.error}") from self.error
+            raise LeaseLost(f"lease {self.flow_ids()}: {self.error}") from self.error
+
+    def flow_ids(self) -> list[tuple[int, int]]:
+        return [self.current.flow_id]
+
+    def renew_with(self, client: ArkClient) -> None:
+        self.current = client.renew(self.current.flow_id)
+
+    def release_with(self, client: ArkClient) -> None:
+        client.release(self.current.flow_id)
+
+
+class HeldSplit(HeldLease):
+    """A multi-path lease inside :meth:`ArkClient.lease` (``parts`` given): one
+    :class:`Lease` per part in ``parts``, renewed and released as one. ``expires`` is the
+    earliest part's; a part that cannot be renewed loses the whole lease."""
+
+    def __init__(self, leases: list[Lease]) -> None:
+        super().__init__(leases[0])
+        self.parts = leases
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "expires":
+            return min(le.expires for le in self.parts)
+        raise AttributeError(f"a multi-path lease has no single {name}; see .parts")
+
+    @property
+    def src_ports(self) -> list[int]:
+        return [le.src_port for le in self.parts]
+
+    @property
+    def paths(self) -> list[int]:
+        return [le.path for le in self.parts]
+
+    def flow_ids(self) -> list[tuple[int, int]]:
+        return [le.flow_id for le in self.parts]
+
+    def renew_with(self, client: ArkClient) -> None:
+        self.parts = client.renew_split(self.flow_ids())
+        self.current = self.parts[0]
+
+    def release_with(self, client: ArkClient) -> None:
+        client.release_split(self.flow_ids())
 
 
 class ArkClient:
@@ -136,11 +178,33 @@ class ArkClient:
                     raise
                 time.sleep(0.02)
 
+    def reserve_split(self, dst: str | int, nbytes: int, parts: int = 0, dport: int = 4791,
+                      wait_ready_s: float = 10.0) -> list[Lease]:
+        """A multi-path lease: one :class:`Lease` per part, each on its own path while the
+        fabric has free ones. ``parts`` = 0: the agent chooses by size (one part per its
+        ``split_part_bytes``, at most one per path)."""
+        deadline = time.monotonic() + wait_ready_s
+        req = {"op": "reserve", "dst": dst, "nbytes": nbytes, "dport": dport, "parts": parts}
+        while True:
+            try:
+                return [_lease(d) for d in self.call(req)["leases"]]
+            except AgentNotReady:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.02)
+
     def renew(self, flow_id: tuple[int, int]) -> Lease:
         return _lease(self.call({"op": "renew", "flow": list(flow_id)})["lease"])
 
+    def renew_split(self, flow_ids: list[tuple[int, int]]) -> list[Lease]:
+        """Renew every part of a multi-path lease; refused as a whole if one part is gone."""
+        return [_lease(d) for d in self.call({"op": "renew", "flows": [list(f) for f in flow_ids]})["leases"]]
+
     def release(self, flow_id: tuple[int, int]) -> None:
         self.call({"op": "release", "flow": list(flow_id)})
+
+    def release_split(self, flow_ids: list[tuple[int, int]]) -> None:
+        self.call({"op": "release", "flows": [list(f) for f in flow_ids]})
 
     def more_ports(self, flow_id: tuple[int, int], n: int) -> tuple[int, list[int]]:
         """(the flow's path now, up to ``n`` more source ports of it, held for the flow until
@@ -183,15 +247,18 @@ class ArkClient:
     @contextmanager
     def lease(
         self, dst: str | int, nbytes: int, dport: int = 4791, renew: bool = True,
-        on_lost: Callable[[HeldLease], None] | None = None,
+        on_lost: Callable[[HeldLease], None] | None = None, parts: int | None = None,
     ) -> Iterator[HeldLease]:
         """Reserve, renew in the background while the body runs, release at exit.
 
-        A lease that cannot be renewed is reported while the body runs (``held.lost``,
-        ``on_lost``, ``held.check()``). At exit the body's own exception always wins: a
-        failure to release is then only attached to it as a note.
+        ``parts``: a multi-path lease (:class:`HeldSplit`, one path per part; 0 lets the
+        agent choose by size); None: one path (:class:`HeldLease`). A lease that cannot
+        be renewed is reported while the body runs (``held.lost``, ``on_lost``,
+        ``held.check()``). At exit the body's own exception always wins: a failure to
+        release is then only attached to it as a note.
         """
-        held = HeldLease(self.reserve(dst, nbytes, dport))
+        held = (HeldLease(self.reserve(dst, nbytes, dport)) if parts is None
+                else HeldSplit(self.reserve_split(dst, nbytes, parts, dport)))
         stop = threading.Event()
         renewer = None
         if renew:
@@ -205,15 +272,15 @@ class ArkClient:
                 renewer.join()
             if not held.lost.is_set():
                 try:
-                    self.release(held.flow_id)
+                    held.release_with(self)
                 except ArkClientError as e:
-                    body_error.add_note(f"ark: releasing lease {held.flow_id} also failed: {e}")
+                    body_error.add_note(f"ark: releasing lease {held.flow_ids()} also failed: {e}")
             raise
         stop.set()
         if renewer is not None:
             renewer.join()
         if not held.lost.is_set():
-            self.release(held.flow_id)
+            held.release_with(self)
 
     def _renew_loop(self, held: HeldLease, stop: threading.Event, on_lost: Callable[[HeldLease], None] | None) -> None:
         # A separate connection: REQ sockets are not shared between threads. Renew when a
@@ -224,7 +291,7 @@ class ArkClient:
             wait = max(0.05, (held.expires - time.time()) / 3)
             while not stop.wait(wait):
                 try:
-                    held.current = mine.renew(held.flow_id)
+                    held.renew_with(mine)
                     wait = max(0.05, (held.expires - time.time()) / 3)
                 except (AgentTimeout, AgentUnavailable) as e:
                     if time.time() < held.expires:

@@ -125,7 +125,7 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 @testbed.command("run")
 @click.option("--requests", type=click.IntRange(min=1), default=150, show_default=True)
 @click.option("--qps", type=float, default=20.0, show_default=True)
-@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["ecmp", "ark", "ark-balance"]),
+@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["ecmp", "ark", "ark-balance", "ark-split"]),
               help="Repeat for several (default: ecmp and ark).")
 @click.option("--seeds", default="10", show_default=True,
               help="Seed count N (seeds 0..N-1) or a list like 0,4,7; ten give intervals that mostly cover (docs/testbed.md).")
@@ -135,6 +135,8 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
               help="Who moves the bytes: the testbed's TCP senders, or Mooncake Transfer Engines (the mooncake extra).")
 @click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="mooncake: requests per KV flow (the engine opens one connection per request).")
+@click.option("--parts", type=click.IntRange(0, 16), default=0, show_default=True,
+              help="ark-split: parts of each flow's multi-path lease (0: the agent's choice, one per path here).")
 @click.option("--ecmp-agents/--no-ecmp-agents", default=True, show_default=True,
               help="Start the agents in ECMP runs too, unused, so that every scheme pays their CPU on this shared "
                    "machine (off: ECMP runs without agents, an unfair control).")
@@ -143,8 +145,8 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 @click.option("--state-dir", help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
 def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
-           engine: str, buffers: int, ecmp_agents: bool, out_file: str | None, prefix: str, state_dir: str | None,
-           as_json: bool) -> None:
+           engine: str, buffers: int, parts: int, ecmp_agents: bool, out_file: str | None, prefix: str,
+           state_dir: str | None, as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark.testbed import run as tr
 
@@ -154,7 +156,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     records = []
     for seed, scheme in tr.interleaved(seed_list, schemes or ("ecmp", "ark")):
         p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
-                         engine=engine, buffers=buffers, ecmp_agents=ecmp_agents)
+                         engine=engine, buffers=buffers, parts=parts, ecmp_agents=ecmp_agents)
         records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
     from ark.testbed.summary import summarize
 

@@ -84,6 +84,7 @@ RACE_LOST = "race lost"  # reserved, then a smaller key took every path (or its 
 # below hold its destination, destination port and source port, so that renew, lease and
 # release answer from the id alone. Kept flows' seqs (incarnation << 32) stay below it.
 _UNTRACKED = 1 << 62
+MAX_SPLIT_PARTS = 16  # parts of one multi-path lease (more paths than a pair of hosts has is pointless)
 
 
 class NotReady(CoreError):
@@ -324,11 +325,13 @@ class Node:
 
     # ------------------------------------------------------------------ local API
     def reserve(
-        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None
+        self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,
+        *, avoid: int = 0,
     ) -> tuple[Lease, list[Output]]:
         """A lease for a new local flow; plain ECMP (``Lease.fallback`` says why) whenever
         it cannot be reserved, a cap of this host included: only an invalid request or a
-        node still resynchronising raises."""
+        node still resynchronising raises. ``avoid``: paths to stay off while others
+        remain (a bit mask, as :meth:`ArkCore.request`)."""
         if not self.ready:
             raise NotReady("node: resynchronising with peers; retry shortly")
         if len(self._local) >= self.limits.max_local_flows:
@@ -336,7 +339,7 @@ class Node:
             return self._untracked_lease(dst, dport, *self.core.ecmp_port(dst, dport), now), []
         in_scope = self._covers(self.host, dst)
         fence = "" if in_scope and not self.skewed else CLOCK_SKEWED if in_scope else OUT_OF_SCOPE
-        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=not fence, why=fence)
+        dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=not fence, avoid=avoid, why=fence)
         if not in_scope:
             self.counters.out_of_scope += 1
         elif self.skewed and self.core.routes.stages(self.host, dst):  # a flow within a leaf reserves nothing anyway
@@ -345,6 +348,28 @@ class Node:
         expires = self._expiry(dec.flow, now, nbytes)
         self._local[dec.flow] = _Local(dst, dport, nbytes, expires, dec.why)
         return self._lease(dec.flow), self._publish(dec.messages)
+
+    def reserve_split(
+        self, dst: int, nbytes: int, now: float, parts: int, dport: int = 4791
+    ) -> tuple[list[Lease], list[Output]]:
+        """A multi-path lease: one transfer of ``nbytes`` as ``parts`` local flows, each
+        chosen as :meth:`reserve` would but away from the paths the earlier parts took
+        while other usable paths remain (as :meth:`ArkCore.request_split`). Each part is
+        an ordinary reservation, renewed, released and re-pathed on its own; the caller
+        holds them as one."""
+        if not 1 <= parts <= MAX_SPLIT_PARTS:
+            raise CoreError(f"parts: must be 1..{MAX_SPLIT_PARTS}; got {parts}")
+        self.core._check_request(dst, nbytes, dport)
+        q, r = divmod(int(nbytes), parts)
+        leases: list[Lease] = []
+        outs: list[Output] = []
+        avoid = 0
+        for i in range(parts):
+            lease, out = self.reserve(dst, q + (i < r), now, dport, avoid=avoid)
+            leases.append(lease)
+            outs.extend(out)
+            avoid |= 1 << lease.path
+        return leases, outs
 
     def renew(self, flow: FlowId, now: float) -> tuple[Lease, list[Output]]:
         flow = self.resolve(flow)

@@ -252,14 +252,14 @@ class ArkCore:
 
     # ------------------------------------------------------------------ owner API
     def request_split(self, dst: int, nbytes: int, now: float, parts: int, dport: int = 4791) -> tuple[Decision, ...]:
-        """``ark-split``: reserve one transfer of ``nbytes`` as ``parts`` sub-flows.
+        """Reserve one transfer of ``nbytes`` as ``parts`` sub-flows (``ark-split``).
 
         Each part is its own flow (own id, port and reservation, released on its own) of
-        ``nbytes / parts`` reserved bytes, chosen like an ``ark-balance`` request but away
-        from the paths the earlier parts took, as long as other usable paths remain.
+        ``nbytes / parts`` reserved bytes, chosen like a request of this core's policy but
+        away from the paths the earlier parts took, as long as other usable paths remain:
+        under ``ark-split`` and ``ark-balance`` a part finding no free path shares the
+        least-backlogged one; under ``ark`` it goes out as plain ECMP.
         """
-        if self.policy != "ark-split":
-            raise CoreError(f"request_split: needs policy ark-split; this core runs {self.policy}")
         if not 1 <= parts <= 64:
             raise CoreError(f"parts: must be 1..64; got {parts}")
         if nbytes < 0:

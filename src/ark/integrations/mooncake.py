@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import logging
 import os
 import socket
@@ -49,8 +50,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ark.agent.client import ArkClient, ArkClientError
-from ark.core.node import Lease
+from ark.agent.client import ArkClient, ArkClientError, HeldSplit
+from ark.core.node import MAX_SPLIT_PARTS, Lease
 from ark.integrations.preload import Connection, Rule, RuleStats, require
 
 log = logging.getLogger("ark.integrations.mooncake")
@@ -69,21 +70,32 @@ class Transfer:
     dst: str
     nbytes: int
     dport: int | None = None  # the peer's data port, learnt at the first connection
-    lease: Lease | None = None
+    lease: Lease | None = None  # the first part's (the only one without ``parts``)
+    leases: list[Lease] = field(default_factory=list)  # one per part of the lease
     ports: list[int] = field(default_factory=list)
-    # The path each port was handed for (the lease's, or the one a race moved the flow to).
+    # The path each port was handed for (the lease's, or the one a race moved the flow to),
+    # and the part of the lease it belongs to.
     port_paths: dict[int, int] = field(default_factory=dict)
+    port_parts: dict[int, int] = field(default_factory=dict)
     connections: list[Connection] = field(default_factory=list)
     stats: RuleStats | None = None
     reserve_s: float | None = None
     error: str | None = None  # why (part of) it went out unsteered
-    # The lease as it stood when the call ended: another path than ``lease`` means the table
-    # re-pathed the flow (a race lost) while its connections stayed where they were.
-    final: Lease | None = None
+    # The lease's parts as they stood when the call ended: another path than in ``leases``
+    # means the table re-pathed that part (a race lost) while its connections stayed put.
+    finals: list[Lease] = field(default_factory=list)
+
+    @property
+    def final(self) -> Lease | None:
+        return self.finals[0] if self.finals else None
 
     @property
     def repathed(self) -> bool:
-        return self.lease is not None and self.final is not None and self.final.path != self.lease.path
+        return any(f.path != le.path for f, le in zip(self.finals, self.leases, strict=False))
+
+    def connection_parts(self) -> list[int | None]:
+        """The part of the lease each connection used (None: it went out unbound)."""
+        return [self.port_parts.get(c.sport) if c.steered else None for c in self.connections]
 
     @property
     def steered(self) -> bool:
@@ -93,7 +105,7 @@ class Transfer:
     @property
     def ecmp(self) -> bool:
         """The lease reserved nothing (every path busy): the connections were left to ECMP."""
-        return self.lease is not None and not self.lease.reserved
+        return bool(self.leases) and not any(le.reserved for le in self.leases)
 
 
 def pool_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -142,10 +154,14 @@ class SteeredTransferEngine:
     the cluster file; ``agent`` is the local agent's API endpoint. A transfer first asks for
     one port per connection it expects; when every port it holds is taken (still in TIME_WAIT
     from an earlier transfer), it asks for ``spare`` more than the connections still expected.
+
+    ``parts``: each transfer takes a multi-path lease of that many parts (0: the agent's
+    size-aware choice) and its connections go to the reserved parts round-robin, each on a
+    port of its part's path; None: one path for all of a transfer's connections.
     """
 
     def __init__(self, engine: Any = None, *, agent: str, hosts: Mapping[str, str], spare: int = 4,
-                 timeout_s: float = 5.0) -> None:
+                 timeout_s: float = 5.0, parts: int | None = None) -> None:
         if POOL_ENV not in os.environ:
             os.environ[POOL_ENV] = "0"  # one connection per request, from the submitting thread
         if pool_enabled():
@@ -153,6 +169,10 @@ class SteeredTransferEngine:
                                 "lease cannot steer them; unset it (one connection per request) or use TransferEngine")
         if isinstance(spare, bool) or not isinstance(spare, int) or not 0 <= spare <= 256:
             raise SteeringError(f"spare: expected an integer 0..256; got {spare!r}")
+        if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int)
+                                  or not 0 <= parts <= MAX_SPLIT_PARTS):
+            raise SteeringError(f"parts: expected None or an integer 0..{MAX_SPLIT_PARTS}; got {parts!r}")
+        self.parts = parts
         self.hosts = {str(ipaddress.IPv4Address(ip)): str(name) for ip, name in hosts.items()}
         require()  # the interposer must be loaded, or nothing could be steered
         if engine is None:
@@ -214,34 +234,50 @@ class SteeredTransferEngine:
                     log.warning("transfer to %s went out partly unsteered: %s", target_hostname, t.error)
                 rule.close()
                 self._local.last = t
-                if t.lease is not None:
-                    with contextlib.suppress(ArkClientError):
-                        t.final = client.current(t.lease.flow_id)
+                with contextlib.suppress(ArkClientError):
+                    t.finals = [client.current(le.flow_id) for le in t.leases]
             # leaving the stack stops the renewer and releases the lease
 
     def _ports(self, t: Transfer, client: ArkClient, stack: contextlib.ExitStack, dport: int, need: int) -> list[int]:
-        """The rule's resolver: lease on the first data connection, then more ports."""
-        if t.lease is None:
+        """The rule's resolver: lease on the first data connection, then more ports.
+
+        The ports come interleaved across the lease's reserved parts (part 0, part 1, ...,
+        part 0, ...), so that the interposer, which hands them out in order, puts the
+        connections on the parts round-robin."""
+        if not t.leases:
             t0 = time.perf_counter()
             t.dport = dport
-            held = stack.enter_context(client.lease(t.dst, t.nbytes, dport))  # renewed until the stack closes
-            t.lease = lease = held.current  # as reserved (the held lease follows later re-paths)
-            if not lease.reserved:
+            held = stack.enter_context(client.lease(t.dst, t.nbytes, dport, parts=self.parts))  # renewed until the stack closes
+            t.leases = list(held.parts) if isinstance(held, HeldSplit) else [held.current]  # as reserved
+            t.lease = t.leases[0]
+            live = [k for k, le in enumerate(t.leases) if le.reserved]
+            if not live:
                 # Every path is taken: plain ECMP, which for a transfer of several connections
                 # means each hashed on its own (one port of one random path would pile them up).
                 t.reserve_s = time.perf_counter() - t0
                 return []
             # One port per expected connection; spares only when some are held (TIME_WAIT).
-            path, more = client.more_ports(lease.flow_id, need - 1) if need > 1 else (lease.path, [])
+            per = -(-need // len(live))
+            columns = []
+            for k in live:
+                path, more = self._more(client, t.leases[k], per - 1)
+                columns.append((k, path, [t.leases[k].src_port, *more]))
             t.reserve_s = time.perf_counter() - t0
-            t.port_paths[lease.src_port] = lease.path
-            ports = [lease.src_port, *more]
         else:  # every port so far is held: more, with spares
-            path, more = client.more_ports(t.lease.flow_id, need + self.spare)
-            ports = more
-        t.port_paths.update(dict.fromkeys(more, path))
+            live = [k for k, le in enumerate(t.leases) if le.reserved]
+            per = -(-(need + self.spare) // len(live))
+            columns = [(k, *client.more_ports(t.leases[k].flow_id, per)) for k in live]
+        for k, path, column in columns:
+            t.port_paths.update(dict.fromkeys(column, path))
+            t.port_parts.update(dict.fromkeys(column, k))
+        ports = [p for row in itertools.zip_longest(*(c for _k, _p, c in columns)) for p in row if p is not None]
         t.ports += ports
         return ports
+
+    @staticmethod
+    def _more(client: ArkClient, lease: Lease, n: int) -> tuple[int, list[int]]:
+        """(the part's path now, ``n`` more ports of it); the lease's own port leads the column."""
+        return client.more_ports(lease.flow_id, n) if n > 0 else (lease.path, [])
 
     # ------------------------------------------------------------------ drop-in calls
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,

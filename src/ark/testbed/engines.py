@@ -80,7 +80,7 @@ def start_senders(tr: TestbedRun, t0: float) -> list[subprocess.Popen[bytes]]:
     for s in tr.senders:
         mine = [f for f in tr.flows if f.src == s]
         plan = EnginePlan(mine, names, {i: lay.host_ip(i) for i in names}, targets,
-                          {f.id: offsets[f.id] for f in mine}, tr.params.buffers)
+                          {f.id: offsets[f.id] for f in mine}, tr.params.buffers, tr.params.split_parts)
         pf = tr.work / f"plan-gpu{s}.json"
         pf.write_bytes(msgspec.json.encode(plan))
         argv = [sys.executable, "-m", "ark.testbed.mooncake", "send", "--plan", str(pf), "--src-ip", lay.host_ip(s),

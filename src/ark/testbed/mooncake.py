@@ -56,6 +56,7 @@ class EnginePlan(msgspec.Struct):
     targets: dict[int, Target]  # receiver host index -> its engine
     offsets: dict[int, int]  # flow id -> offset in its receiver's buffer
     buffers: int  # requests (connections) per flow
+    parts: int | None = None  # ark-split: parts of each flow's multi-path lease (0: the agent's choice)
 
 
 def pattern(flow_id: int, nbytes: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
@@ -158,20 +159,22 @@ def _flow(eng: Any, plan: EnginePlan, f: FlowSpec, src_addr: int, t0: float, out
             with eng.steer(target, f.nbytes, plan.buffers) as tr:
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
                 t1 = time.time()  # every byte is in: the lease's release is bookkeeping
-            conns, lease, port_paths = tr.connections, tr.lease, tr.port_paths
-            rec.update(reserve_s=tr.reserve_s, steer_error=tr.error, repathed=tr.repathed, ecmp=tr.ecmp)
+            conns, port_paths, parts = tr.connections, tr.port_paths, tr.connection_parts()
+            rec.update(reserve_s=tr.reserve_s, steer_error=tr.error, repathed=tr.repathed,
+                       ecmp=tr.ecmp, parts=len(tr.leases))
+            lease = next((le for le in tr.leases if le.reserved), tr.lease)
             if lease is not None:  # a lease that reserved nothing steers nothing: no path to check
                 rec.update(path=None if tr.ecmp else lease.path, reserved=lease.reserved, lease_flow=list(lease.flow_id))
         else:
             with Rule(plan.ips[f.dst], skip_port=plan.targets[f.dst].rpc_port, steer=False) as rule:
                 sizes, _ids, err = _submit(eng, plan, f, src_addr)
                 t1 = time.time()
-            conns, port_paths = rule.connections(), {}
+            conns, port_paths, parts = rule.connections(), {}, []
             rule.close()
         rec["segments"] = [{"sport": c.sport, "dport": c.dport, "steered": c.steered,
-                            "path": port_paths.get(c.sport, rec["path"]),
+                            "path": port_paths.get(c.sport, rec["path"]), "part": part,
                             "reserved": rec["reserved"], "bytes": n, "t0": t, "t1": t1, "start_s": t - t0}
-                           for c, n in zip(conns, sizes, strict=False)]
+                           for c, n, part in zip(conns, sizes, parts or [None] * len(conns), strict=False)]
         rec.update(error=err, fct_s=t1 - planned, connections=len(conns),
                    sport=conns[0].sport if conns else None)
     except Exception as e:  # a flow's failure is its record's, not the sender's
@@ -183,7 +186,8 @@ def send(plan: EnginePlan, src_ip: str, t0: float, api: str | None) -> list[dict
     from ark.integrations.mooncake import SteeredTransferEngine
 
     if api:
-        eng: Any = SteeredTransferEngine(agent=api, hosts={plan.ips[i]: n for i, n in plan.names.items()})
+        eng: Any = SteeredTransferEngine(agent=api, hosts={plan.ips[i]: n for i, n in plan.names.items()},
+                                         parts=plan.parts)
     else:
         from mooncake.engine import TransferEngine
 

@@ -100,6 +100,8 @@ def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128,
         lease_min_s=lease_min_s, heartbeat_s=0.5, peer_timeout_s=2.0, sync_timeout_s=1.0, pathmap_dir="maps",
         state_dir="state",
         routers_file="routers.json", probe_proto="tcp", probe_sample=sample, probe_check_s=probe_check_s,
+        # Flows are scaled like the rates: so is the size a multi-path lease's part stands for.
+        split_part_bytes=max(1, round(ClusterSettings().split_part_bytes * spec.scale)),
     )
     (st.dir / "routers.json").write_text(json.dumps(lay.routers_file()))
     return ClusterFile(cluster=settings, fabric=fabric_config(st), hosts=hosts).save(st.dir / f"cluster-{policy}.toml")

@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 
 from ark.core.flows import FlowSpec
+from ark.sim.balancers import SchemeParams, SplitParams
 from ark.sim.engine import FluidSim
 from ark.testbed.fabric import TestbedError, TestbedSpec
 
-PREDICTED_SCHEMES = ("ecmp", "ark", "ark-balance")  # what the testbed runs
+PREDICTED_SCHEMES = ("ecmp", "ark", "ark-balance", "ark-split")  # what the testbed runs
 # What a fluid model is blind to; a measurement differs from the prediction by these.
 MODEL = ("fluid max-min sharing at the scaled link rates x TCP/1500 goodput; leaves out TCP slow start, "
          "loss and its recovery (timeouts), per-packet timing and the tbf queues, the control plane's delay "
@@ -37,18 +38,22 @@ def _ideal_s(spec: TestbedSpec, flows: Sequence[FlowSpec]) -> np.ndarray:
 
 
 def predict(spec: TestbedSpec, flows: Sequence[FlowSpec], scheme: str, seed: int,
-            control_delay_s: float = 20e-6) -> dict[str, Any]:
+            control_delay_s: float = 20e-6, parts: int | None = None) -> dict[str, Any]:
     """Simulated FCTs (s) of ``flows`` on the testbed ``spec`` under ``scheme``.
 
     ``seed`` fixes the simulator's draws (ECMP's source ports; ARK's per-host choices).
+    ``parts``: ``ark-split``'s parts per flow (None: one per path between two leaves, what
+    the agents' size-aware choice gives the testbed's flows).
     """
     if scheme not in PREDICTED_SCHEMES:
         raise TestbedError(f"scheme: must be one of {', '.join(PREDICTED_SCHEMES)}; got {scheme!r}")
     if not flows:
         raise TestbedError("flows: nothing to predict")
     fab = spec.scaled_fabric()
+    widest = max(fab.n_paths(0, b) for b in range(1, fab.n_hosts))  # host 0 to another pod or leaf
+    params = SchemeParams(split=SplitParams(parts=parts or widest))
     sim = FluidSim(fab, scheme, seed=seed, control_delay_s=control_delay_s, dport=spec.dport,
-                   port_range=spec.port_range)
+                   port_range=spec.port_range, params=params)
     res = sim.run(flows)
     fct = np.asarray([f.fct_s for f in res.flows])
     ideal = _ideal_s(spec, flows)

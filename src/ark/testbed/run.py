@@ -34,6 +34,7 @@ import numpy as np
 
 from ark.agent.client import wait_ready
 from ark.core.flows import FlowSpec
+from ark.core.node import MAX_SPLIT_PARTS
 from ark.testbed import engines
 from ark.testbed.capture import SpineCounters, counting
 from ark.testbed.change import fabric_change
@@ -44,7 +45,7 @@ from ark.testbed.probing import Progress, _quiet, probe_or_check
 from ark.testbed.summary import PARTS, finite_mean
 from ark.testbed.transfer import SendPlan
 
-TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance")
+TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance", "ark-split")
 ENGINES = ("builtin", "mooncake")  # the testbed's own TCP senders, or Mooncake Transfer Engines
 
 
@@ -61,9 +62,17 @@ class RunParams:
     fail_link: tuple[int, int, float] | None = None
     engine: str = "builtin"
     buffers: int = 1  # mooncake: requests (one connection each) per KV flow
+    # ark-split: parts of each flow's multi-path lease; 0: the agent's size-aware choice
+    # (one part per split_part_bytes, scaled with the rates, at most one per path).
+    parts: int = 0
     # Every host shares this machine's few cores: ECMP runs start the agents too (and ask
     # them nothing), so every scheme pays their CPU and the comparison is fair.
     ecmp_agents: bool = True
+
+    @property
+    def split_parts(self) -> int | None:
+        """What a sender asks each flow's lease for: parts under ark-split, else None (one path)."""
+        return self.parts if self.scheme == "ark-split" else None
 
     def check(self, st: State) -> None:
         if self.scheme not in TESTBED_SCHEMES:
@@ -72,6 +81,10 @@ class RunParams:
             raise TestbedError(f"engine: must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         if not 1 <= self.buffers <= 256:
             raise TestbedError(f"buffers: must be 1..256; got {self.buffers}")
+        if not 0 <= self.parts <= MAX_SPLIT_PARTS:
+            raise TestbedError(f"parts: must be 0..{MAX_SPLIT_PARTS} (0: the agent's choice); got {self.parts}")
+        if self.scheme == "ark-split" and self.fail_link is not None:
+            raise TestbedError("fail_link: not with ark-split (a split flow's connections do not follow re-paths)")
         if self.engine == "mooncake" and self.fail_link is not None:
             raise TestbedError("fail_link: only with the builtin engine (steered Mooncake transfers do not follow re-paths)")
         if self.requests < 1:
@@ -168,7 +181,8 @@ class TestbedRun:
         for s in self.senders:
             mine = [f for f in self.flows if f.src == s]
             plan = SendPlan(mine, names, {i: lay.host_ip(i) for i in names}, self.st.spec.dport,
-                            ecmp_ports(mine, self.params.seed) if self.params.scheme == "ecmp" else {})
+                            ecmp_ports(mine, self.params.seed) if self.params.scheme == "ecmp" else {},
+                            self.params.split_parts)
             pf = self.work / f"plan-gpu{s}.json"
             pf.write_bytes(msgspec.json.encode(plan))
             argv = [sys.executable, "-m", "ark.testbed.transfer", "send", "--plan", str(pf), "--src-ip",
@@ -234,7 +248,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
     rec = _record(st, params, flows, tr.results(), counters, probe_info, load, change)
     rec.update(hash_keys=keys, cpu_busy_fraction=round(busy, 4), cpu_saturated=busy >= SATURATED)
     # The simulator's answer for exactly these flows, to set beside the measurement.
-    sim = predict(st.spec, flows, params.scheme, params.seed)
+    sim = predict(st.spec, flows, params.scheme, params.seed, parts=params.parts or None)
     rec["sim"] = {k: sim[k] for k in ("fct_mean_s", "fct_p50_s", "fct_p95_s", "ideal_mean_s", "fallbacks")}
     if verified is not None:
         engines.add_verdicts(rec, verified)

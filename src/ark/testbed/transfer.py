@@ -12,6 +12,11 @@ start (so it includes the reservation) to the receiver's close, and is recorded 
 agent), ``connect_s`` (from the lease to an established connection: the first byte can
 go) and ``transfer_s`` (from there to the receiver's close).
 
+Under ``ark-split`` (``SendPlan.parts`` set) a flow takes a multi-path lease and opens one
+connection per part, each from its part's port; the connections take the flow's bytes a
+slice at a time from one shared counter, so a part on a faster path carries more and the
+parts finish together (the header then says "until EOF").
+
 A re-path (the agent moved the reservation to a new port after the fabric re-hashed) is
 followed between chunks: the connection ends early and the rest of the bytes go on a
 new connection from the new port, as a KV engine moving a QP's UDP source port would.
@@ -35,6 +40,8 @@ import msgspec
 from ark.core.flows import FlowSpec
 
 _HEADER = struct.Struct("!Q")
+UNTIL_EOF = 2**64 - 1  # a header saying: read until the sender shuts its side
+_SLICE = 1 << 17  # what a split flow's connection takes from the shared counter at a time
 
 
 class SendPlan(msgspec.Struct):
@@ -45,6 +52,7 @@ class SendPlan(msgspec.Struct):
     ips: dict[int, str]  # host index -> data address
     dport: int
     ports: dict[int, int] = {}  # ECMP: flow id -> the source port the run's seed drew
+    parts: int | None = None  # ark-split: parts of each flow's lease (0: the agent's choice)
 
     def dst(self, f: FlowSpec) -> tuple[str, int]:
         return self.ips[f.dst], self.dport
@@ -68,7 +76,11 @@ def _serve_one(conn: socket.socket) -> None:
         head = bytearray(_HEADER.size)
         if _read_exact(conn, _HEADER.size, head) == _HEADER.size:
             (n,) = _HEADER.unpack(head)
-            _read_exact(conn, n, buf)
+            if n == UNTIL_EOF:
+                while conn.recv_into(buf):
+                    pass
+            else:
+                _read_exact(conn, n, buf)
     except OSError:
         pass
     finally:
@@ -166,8 +178,57 @@ def _segments(src_ip: str, dst: tuple[str, int], nbytes: int, t0: float, port: i
     return segs
 
 
+def _split_segments(src_ip: str, dst: tuple[str, int], nbytes: int, t0: float, parts: Sequence[Any]) -> list[dict[str, Any]]:
+    """One connection per part of a multi-path lease, all taking slices of ``nbytes`` from
+    one counter until none is left; a segment per connection, in part order."""
+    left = [nbytes]
+    lock = threading.Lock()
+    segs: list[dict[str, Any] | None] = [None] * len(parts)
+    errors: list[BaseException] = []
+
+    def take() -> int:
+        with lock:
+            k = min(_SLICE, left[0])
+            left[0] -= k
+            return k
+
+    def one(i: int, lease: Any) -> None:
+        t = time.time()
+        try:
+            s = _connect(src_ip, lease.src_port, dst)
+        except OSError as e:
+            errors.append(e)
+            return
+        connected, sent = time.time(), 0
+        try:
+            s.sendall(_HEADER.pack(UNTIL_EOF))
+            while k := take():
+                s.sendall(_CHUNK[:k])
+                sent += k
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(64):  # done when the receiver closes: every byte has arrived
+                pass
+        except OSError as e:
+            errors.append(e)
+        finally:
+            s.close()
+        segs[i] = {"sport": lease.src_port, "path": lease.path, "reserved": lease.reserved, "part": i,
+                   "start_s": t - t0, "t0": t, "connected": connected, "bytes": sent, "t1": time.time()}
+
+    threads = [threading.Thread(target=one, args=(i, le)) for i, le in enumerate(parts)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors or left[0]:
+        raise errors[0] if errors else OSError(f"{left[0]} bytes unsent: every part's connection failed")
+    out = [sg for sg in segs if sg is not None]
+    out.sort(key=lambda sg: sg["connected"])  # the first to connect is when the first byte could go
+    return out
+
+
 def _flow(f: FlowSpec, plan: SendPlan, src_ip: str, t0: float, api: str | None, out: list[dict[str, Any]]) -> None:
-    from ark.agent.client import ArkClient, ArkClientError
+    from ark.agent.client import ArkClient, ArkClientError, HeldSplit
 
     planned = t0 + f.start_s
     delay = planned - time.time()
@@ -183,6 +244,14 @@ def _flow(f: FlowSpec, plan: SendPlan, src_ip: str, t0: float, api: str | None, 
     try:
         if client is None:  # ECMP: the planned port (or an ephemeral one), never moved
             segs = _segments(src_ip, dst, f.nbytes, t0, plan.ports.get(f.id, 0), None, False, None)
+        elif plan.parts is not None:
+            with client.lease(plan.names[f.dst], f.nbytes, plan.dport, parts=plan.parts) as held:
+                took = time.time() - t
+                assert isinstance(held, HeldSplit)
+                first = next((le for le in held.parts if le.reserved), held.parts[0])
+                rec.update(reserve_s=took, lease_s=took, path=first.path, reserved=first.reserved,
+                           lease_flow=list(first.flow_id), parts=len(held.parts))
+                segs = _split_segments(src_ip, dst, f.nbytes, t0, held.parts)
         else:
             with client.lease(plan.names[f.dst], f.nbytes, plan.dport) as ls:
                 took = time.time() - t
