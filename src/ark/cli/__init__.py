@@ -55,7 +55,7 @@ def cli() -> None:
 for command in (
     experiment.reproduce, experiment.simulate, pathmap.pathmap, bench.bench, agent.agent, agent.keygen,
     agent.status, agent.ports, agent.cluster_cmd, agent.probe_cmd, testbed.testbed, integrations.preload,
-    sweep.sweep, polarisation.polarisation, compare.compare, racewindow.race_window,
+    sweep.sweep, polarisation.polarisation, compare.compare, racewindow.race_window, integrations.serve_pd,
 ):
     cli.add_command(command)
 

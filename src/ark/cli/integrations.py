@@ -1,4 +1,5 @@
-"""``ark preload``: the connect() interposer that steers transfer engines' own connections."""
+"""``ark preload`` (the connect() interposer that steers transfer engines' own connections) and
+``ark serve-pd`` (a prefill/decode router in front of vLLM instances)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,27 @@ def preload(command: tuple[str, ...]) -> None:
         os.execvpe(command[0], list(command), env)
     except OSError as e:
         raise click.ClickException(f"{command[0]}: {e.strerror}") from None
+
+
+@click.command("serve-pd")
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="TOML: [[prefill]] (url, engine_id, bootstrap) and [[decode]] (url) instances, mode.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+def serve_pd(config_path: str, host: str, port: int) -> None:
+    """A prefill/decode router: OpenAI completions in front of vLLM P and D instances."""
+    import tomllib
+
+    from ark.integrations.pdrouter import RouterError, load_config, serve
+
+    try:
+        with open(config_path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise RouterError(f"config: cannot read {config_path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise RouterError(f"config: {config_path} is not valid TOML: {e}") from None
+    cfg = load_config(raw)
+    out.print(f"P/D router on http://{host}:{port}: {len(cfg.prefill)} prefill, {len(cfg.decode)} decode, "
+              f"{cfg.mode}", highlight=False)
+    serve(cfg, host, port)

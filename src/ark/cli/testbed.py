@@ -131,8 +131,13 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
               help="Seed count N (seeds 0..N-1) or a list like 0,4,7; ten give intervals that mostly cover (docs/testbed.md).")
 @click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True, help="Probed ports per peer.")
 @click.option("--fail-link", help="LEAF:SPINE@SECONDS: take that link down mid-run; hosts re-probe, agents reload.")
-@click.option("--engine", type=click.Choice(["builtin", "mooncake"]), default="builtin", show_default=True,
-              help="Who moves the bytes: the testbed's TCP senders, or Mooncake Transfer Engines (the mooncake extra).")
+@click.option("--engine", type=click.Choice(["builtin", "mooncake", "vllm"]), default="builtin", show_default=True,
+              help="Who moves the bytes: the testbed's TCP senders, Mooncake Transfer Engines (the mooncake extra), "
+                   "or vLLM prefill/decode instances with the builtin flows as background (the vllm extra).")
+@click.option("--instances", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="vllm: prefill instances on the first leaf and as many decode instances on the last.")
+@click.option("--vllm-requests", type=click.IntRange(1, 10_000), default=24, show_default=True,
+              help="vllm: requests per run through the P/D router, spread over the background's span.")
 @click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="mooncake: requests per KV flow (the engine opens one connection per request).")
 @click.option("--parts", type=click.IntRange(0, 16), default=0, show_default=True,
@@ -145,19 +150,24 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 @click.option("--state-dir", help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
 def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
-           engine: str, buffers: int, parts: int, ecmp_agents: bool, out_file: str | None, prefix: str,
-           state_dir: str | None, as_json: bool) -> None:
+           engine: str, instances: int, vllm_requests: int, buffers: int, parts: int, ecmp_agents: bool,
+           out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark.testbed import run as tr
 
     seed_list = seeds_option(seeds) or (0,)
     failure = _fail_link(fail_link) if fail_link else None
     st = _state(prefix, state_dir)
-    records = []
-    for seed, scheme in tr.interleaved(seed_list, schemes or ("ecmp", "ark")):
-        p = tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
+    progress = (lambda m: err.print(f"[dim]{m}[/]", highlight=False)) if not as_json else (lambda m: None)
+    runs = [tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
                          engine=engine, buffers=buffers, parts=parts, ecmp_agents=ecmp_agents)
-        records.append(tr.run(st, p, progress=lambda m: err.print(f"[dim]{m}[/]", highlight=False) if not as_json else None))
+            for seed, scheme in tr.interleaved(seed_list, schemes or ("ecmp", "ark"))]
+    for p in runs:
+        p.check(st)
+    if engine == "vllm":
+        _vllm_runs(st, runs, instances, vllm_requests, out_file, as_json, progress)
+        return
+    records = [tr.run(st, p, progress=progress) for p in runs]
     from ark.testbed.summary import summarize
 
     summary = summarize(records)
@@ -199,6 +209,57 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
                       f"{ch['probes_sent']} probes, agreement {ch['probe_agreement_fraction']:.4%}); "
                       f"{ch['repathed_live_flows']} live reservations re-pathed; flows started after the refresh "
                       f"matching their reserved spine: {ch['path_match_after_refresh']:.2%} of {ch['flows_after_refresh']}")
+
+
+def _vllm_runs(st: Any, runs: list[Any], instances: int, n_requests: int, out_file: str | None, as_json: bool,
+               progress: Any) -> None:
+    """``--engine vllm``: one fleet of instances for every run, then the TTFT comparison."""
+    from ark.sim.compare import paired_cells
+    from ark.sim.stats import paired_rows
+    from ark.testbed import vllm as tv
+    from ark.testbed.plan import cluster_file
+
+    try:
+        from ark.integrations.vllm_model import make_model
+    except ImportError as e:
+        raise click.ClickException(f"engine vllm: {e}") from None
+    model = st.dir / "vllm-model"
+    if not (model / "config.json").exists():
+        make_model(model)
+    prefill, decode = tv.fleet_hosts(st, instances)
+    fleet = tv.Fleet(st, model, prefill, decode, cluster_file(st, "ark", runs[0].lease_min_s, runs[0].sample, 0.0),
+                     st.dir / "vllm")
+    try:
+        fleet.start(progress)
+        records = [tv.run(st, p, fleet, n_requests, progress) for p in runs]
+    finally:
+        fleet.stop()
+    rows = paired_rows(records, "ttft_mean_s")
+    if out_file:
+        Path(out_file).write_text(json.dumps(_clean({"runs": records, "paired_ttft": rows}), indent=1))
+    if as_json:
+        click.echo(json.dumps(_clean({"runs": records, "paired_ttft": rows})))
+        return
+    t = Table(title=f"vLLM P/D on the testbed: {n_requests} requests per run, {instances} prefill and {instances} "
+                    f"decode instances, background {runs[0].requests} flows at QPS {runs[0].qps:g}")
+    for col in ("scheme", "seed", "TTFT mean/P50/P95 s", "TPOT mean s", "mismatches", "errors", "pushes",
+                "push mean s", "push path match", "background FCT s", "CPU busy"):
+        t.add_column(col, justify="right")
+    for r in records:
+        pm = r["push_path_match_fraction"]
+        t.add_row(r["scheme"], str(r["seed"]), f"{r['ttft_mean_s']:.3f}/{r['ttft_p50_s']:.3f}/{r['ttft_p95_s']:.3f}",
+                  f"{r['tpot_mean_s']:.4f}", str(r["output_mismatches"]), str(r["vllm_errors"]), str(r["push_count"]),
+                  f"{r['push_mean_s']:.3f}", "-" if pm is None else f"{pm:.0%} of {r['push_path_checked']}",
+                  f"{r['fct_mean_s']:.3f}", f"{r['cpu_busy_fraction']:.0%}")
+    out.print(t)
+    if rows:
+        t = Table(title="mean TTFT against ECMP, paired by seed, 95% bootstrap intervals")
+        for col in ("scheme", "seeds", "mean diff ms", "ratio", "verdict"):
+            t.add_column(col, justify="right")
+        for row in rows:
+            d, ratio = paired_cells(row)
+            t.add_row(row["scheme"], str(row["n"]), d, ratio, row["verdict"])
+        out.print(t)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,8 @@ class Transfer:
     connections: list[Connection] = field(default_factory=list)
     stats: RuleStats | None = None
     reserve_s: float | None = None
+    t0: float = 0.0  # wall-clock time the call began and ended (time.time())
+    t1: float = 0.0
     error: str | None = None  # why (part of) it went out unsteered
     # The lease's parts as they stood when the call ended: another path than in ``leases``
     # means the table re-pathed that part (a race lost) while its connections stayed put.
@@ -158,10 +160,15 @@ class SteeredTransferEngine:
     ``parts``: each transfer takes a multi-path lease of that many parts (0: the agent's
     size-aware choice) and its connections go to the reserved parts round-robin, each on a
     port of its part's path; None: one path for all of a transfer's connections.
+
+    ``agent`` None observes only: no lease, connections left to the engine, and each call
+    still recorded (the control of an experiment). ``on_transfer`` is called with each
+    call's :class:`Transfer` once it has ended and its lease is released.
     """
 
-    def __init__(self, engine: Any = None, *, agent: str, hosts: Mapping[str, str], spare: int = 4,
-                 timeout_s: float = 5.0, parts: int | None = None) -> None:
+    def __init__(self, engine: Any = None, *, agent: str | None, hosts: Mapping[str, str], spare: int = 4,
+                 timeout_s: float = 5.0, parts: int | None = None,
+                 on_transfer: Callable[[Transfer], None] | None = None) -> None:
         if POOL_ENV not in os.environ:
             os.environ[POOL_ENV] = "0"  # one connection per request, from the submitting thread
         if pool_enabled():
@@ -180,8 +187,10 @@ class SteeredTransferEngine:
 
             engine = TransferEngine()
         self.engine = engine
-        self.agent, self.spare, self.timeout_s = agent, spare, timeout_s
-        self._client = ArkClient(agent, timeout_s)  # shared by the calling threads (it locks)
+        self.agent, self.spare, self.timeout_s, self.on_transfer = agent, spare, timeout_s, on_transfer
+        # Shared by the calling threads (it locks); none when only observing.
+        self._client = ArkClient(agent, timeout_s) if agent is not None else None
+        self.observing = agent is None  # True: later calls take no lease (an experiment's control)
         self._local = threading.local()
 
     @classmethod
@@ -208,20 +217,40 @@ class SteeredTransferEngine:
         target take ports of a path reserved for ``nbytes`` (lease renewed, released at exit)."""
         ip, rpc_port = parse_target(target_hostname)
         dst = self.hosts.get(ip)
+        if dst is None and (self.observing or self._client is None):
+            dst = ip  # only observing: no lease to name the peer in
         if dst is None:
             raise SteeringError(f"target_hostname: {ip} is not a cluster host's data address "
                                 f"(known: {', '.join(sorted(self.hosts)) or 'none'})")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise SteeringError(f"nbytes: expected an integer >= 0; got {nbytes!r}")
-        t = Transfer(target_hostname, dst, nbytes)
+        t = Transfer(target_hostname, dst, nbytes, t0=time.time())
+        try:
+            with self._steering(t, ip, rpc_port, connections):
+                yield t
+        finally:
+            if self.on_transfer is not None:
+                try:
+                    self.on_transfer(t)
+                except Exception:  # a recorder's failure must not fail the transfer
+                    log.exception("on_transfer failed")
+
+    @contextlib.contextmanager
+    def _steering(self, t: Transfer, ip: str, rpc_port: int, connections: int) -> Iterator[Transfer]:
+        target_hostname, nbytes = t.target, t.nbytes
+        client = None if self.observing else self._client
         with contextlib.ExitStack() as stack:
-            client = self._client
-            rule = Rule(ip, skip_port=rpc_port, hint=max(1, min(connections, 4096)),
-                        resolver=lambda dport, need: self._ports(t, client, stack, dport, need))
+            hint = max(1, min(connections, 4096))
+            if client is None:
+                rule = Rule(ip, skip_port=rpc_port, steer=False, hint=hint)
+            else:
+                rule = Rule(ip, skip_port=rpc_port, hint=hint,
+                            resolver=lambda dport, need: self._ports(t, client, stack, dport, need))
             try:
                 with rule:
                     yield t
             finally:
+                t.t1 = time.time()
                 t.connections, t.stats = rule.connections(), rule.stats()
                 if not t.connections and nbytes > 0 and t.error is None and rule.resolver_error is None:
                     t.error = (f"no connection to {ip} was opened from this thread: the engine reused one "
@@ -235,7 +264,7 @@ class SteeredTransferEngine:
                 rule.close()
                 self._local.last = t
                 with contextlib.suppress(ArkClientError):
-                    t.finals = [client.current(le.flow_id) for le in t.leases]
+                    t.finals = [client.current(le.flow_id) for le in t.leases] if client is not None else []
             # leaving the stack stops the renewer and releases the lease
 
     def _ports(self, t: Transfer, client: ArkClient, stack: contextlib.ExitStack, dport: int, need: int) -> list[int]:

@@ -46,7 +46,9 @@ from ark.testbed.summary import PARTS, finite_mean
 from ark.testbed.transfer import SendPlan
 
 TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance", "ark-split")
-ENGINES = ("builtin", "mooncake")  # the testbed's own TCP senders, or Mooncake Transfer Engines
+# The testbed's own TCP senders, Mooncake Transfer Engines, or vLLM P/D (ark.testbed.vllm:
+# its requests' KV pushes, with the builtin senders' flows as background).
+ENGINES = ("builtin", "mooncake", "vllm")
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ class RunParams:
             raise TestbedError(f"parts: must be 0..{MAX_SPLIT_PARTS} (0: the agent's choice); got {self.parts}")
         if self.scheme == "ark-split" and self.fail_link is not None:
             raise TestbedError("fail_link: not with ark-split (a split flow's connections do not follow re-paths)")
-        if self.engine == "mooncake" and self.fail_link is not None:
+        if self.engine != "builtin" and self.fail_link is not None:
             raise TestbedError("fail_link: only with the builtin engine (steered Mooncake transfers do not follow re-paths)")
         if self.requests < 1:
             raise TestbedError(f"requests: must be >= 1; got {self.requests}")
