@@ -141,9 +141,9 @@ def test_a_failed_prefill_is_a_502_and_the_decode_side_is_not_asked() -> None:
     pre, dec = [StandIn("p0", status=500)], [StandIn("d0")]
 
     async def test(url: str, router: Router) -> None:
-        async with aiohttp.ClientSession() as s:
-            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}) as r:
-                assert r.status == 502 and "prefill" in (await r.json())["error"]["message"]
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions",
+                                                          json={"prompt": "x", "max_tokens": 2}) as r:
+            assert r.status == 502 and "prefill" in (await r.json())["error"]["message"]
         assert router.counters.prefill_failed == 1
 
     asyncio.run(_with_router({"prefill": pre, "decode": dec}, test))

@@ -8,7 +8,6 @@ CI's slow stage with the vllm extra installed; skipped without it.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys

@@ -136,8 +136,9 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
                    "or vLLM prefill/decode instances with the builtin flows as background (the vllm extra).")
 @click.option("--instances", type=click.IntRange(1, 8), default=2, show_default=True,
               help="vllm: prefill instances on the first leaf and as many decode instances on the last.")
-@click.option("--vllm-requests", type=click.IntRange(1, 10_000), default=24, show_default=True,
-              help="vllm: requests per run through the P/D router, spread over the background's span.")
+@click.option("--vllm-requests", type=click.IntRange(1, 10_000), default=12, show_default=True,
+              help="vllm: requests per run through the P/D router, spread over the background's span (12 of "
+                   "200-1000 tokens load the prefill hosts' NICs to about half with their KV caches).")
 @click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="mooncake: requests per KV flow (the engine opens one connection per request).")
 @click.option("--parts", type=click.IntRange(0, 16), default=0, show_default=True,

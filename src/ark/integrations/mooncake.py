@@ -273,7 +273,8 @@ class SteeredTransferEngine:
         The ports come interleaved across the lease's reserved parts (part 0, part 1, ...,
         part 0, ...), so that the interposer, which hands them out in order, puts the
         connections on the parts round-robin."""
-        if not t.leases:
+        first_call = not t.leases
+        if first_call:
             t0 = time.perf_counter()
             t.dport = dport
             held = stack.enter_context(client.lease(t.dst, t.nbytes, dport, parts=self.parts))  # renewed until the stack closes
@@ -299,6 +300,8 @@ class SteeredTransferEngine:
         for k, path, column in columns:
             t.port_paths.update(dict.fromkeys(column, path))
             t.port_parts.update(dict.fromkeys(column, k))
+            if first_call:  # the lease's own port leads over the lease's path (a race may have moved the flow since)
+                t.port_paths[t.leases[k].src_port] = t.leases[k].path
         ports = [p for row in itertools.zip_longest(*(c for _k, _p, c in columns)) for p in row if p is not None]
         t.ports += ports
         return ports

@@ -57,17 +57,10 @@ from ark.core.node import MAX_SPLIT_PARTS
 from ark.core.schema import ConfigError, convert
 from ark.integrations.mooncake import POOL_ENV, SteeredTransferEngine, Transfer
 
-try:  # the vllm extra
-    import torch
-    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import MooncakeConnector
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError("ark.integrations.vllm needs vLLM (pip install 'ark-fabric[vllm]')") from e
-
-
 log = logging.getLogger("ark.integrations.vllm")
 
 
-class ArkVllmSettings(msgspec.Struct, frozen=True, kw_only=True):
+class ArkVllmSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``ark_*`` keys of ``kv_connector_extra_config`` (others are ignored here)."""
 
     cluster: str | None = None
@@ -91,6 +84,8 @@ class ArkVllmSettings(msgspec.Struct, frozen=True, kw_only=True):
 @contextlib.contextmanager
 def cpu_device_index() -> Iterator[None]:
     """``torch.accelerator.current_device_index()`` answers 0 while no accelerator exists."""
+    import torch
+
     if torch.accelerator.current_accelerator() is not None:
         yield
         return
@@ -169,38 +164,56 @@ def transfer_record(t: Transfer) -> dict[str, Any]:
     }
 
 
-class ArkMooncakeConnector(MooncakeConnector):  # type: ignore[misc, unused-ignore]
-    """vLLM's ``MooncakeConnector`` whose pushes are steered onto paths ARK leases."""
-
-    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        try:
-            self.ark = ArkVllmSettings.from_extra(extra)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        # One connection per push, opened from the pushing thread (what a lease can steer);
-        # it must be set before the engine initialises.
-        os.environ.setdefault(POOL_ENV, "0")
-        with cpu_device_index():
-            super().__init__(vllm_config, role, kv_cache_config)
-        worker = getattr(self, "connector_worker", None)
-        if worker is not None and not worker.is_kv_consumer and (self.ark.cluster or self.ark.transfer_log):
-            worker.engine = self._steered(worker.engine)
-
-    def _steered(self, engine: Any) -> SteeredTransferEngine | ModeFollower:
-        """The worker's initialised engine inside a steering (or observing) wrapper."""
-        steered = self._wrap(engine)
-        return ModeFollower(steered, self.ark.mode_file) if self.ark.mode_file else steered
-
-    def _wrap(self, engine: Any) -> SteeredTransferEngine:
-        on_transfer = TransferLog(self.ark.transfer_log) if self.ark.transfer_log else None
-        if self.ark.cluster is None or self.ark.host is None:  # a log without a cluster: observe
-            return SteeredTransferEngine(engine, agent=None, hosts={}, on_transfer=on_transfer)
+def steered_engine(engine: Any, ark: ArkVllmSettings) -> SteeredTransferEngine | ModeFollower:
+    """A Mooncake worker's initialised engine inside a steering (or observing) wrapper, and
+    one that follows ``ark.mode_file`` when there is one."""
+    on_transfer = TransferLog(ark.transfer_log) if ark.transfer_log else None
+    if ark.cluster is None or ark.host is None:  # a log without a cluster: observe
+        steered = SteeredTransferEngine(engine, agent=None, hosts={}, on_transfer=on_transfer)
+    else:
         from ark.agent.cluster import load
 
-        cl = load(self.ark.cluster)
-        hosts = self.ark.hosts or {cl.fabric.hosts[h.index].ip: h.name for h in cl.hosts}
+        cl = load(ark.cluster)
+        hosts = ark.hosts or {cl.fabric.hosts[h.index].ip: h.name for h in cl.hosts}
         for name in dict.fromkeys(hosts.values()):
             cl.host(name)  # every named host is in the cluster file (one line if not)
-        agent = cl.host(self.ark.host).api if self.ark.steer else None
-        return SteeredTransferEngine(engine, agent=agent, hosts=hosts, parts=self.ark.parts, on_transfer=on_transfer)
+        agent = cl.host(ark.host).api if ark.steer else None
+        steered = SteeredTransferEngine(engine, agent=agent, hosts=hosts, parts=ark.parts, on_transfer=on_transfer)
+    return ModeFollower(steered, ark.mode_file) if ark.mode_file else steered
+
+
+def _connector_class() -> type:
+    """Built on first use, so that this module imports (and its parts test) without vLLM."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import MooncakeConnector
+    except ImportError as e:
+        raise ImportError("ark.integrations.vllm: ArkMooncakeConnector needs vLLM (scripts/install-vllm.sh)") from e
+
+    class ArkMooncakeConnector(MooncakeConnector):  # type: ignore[misc, valid-type, unused-ignore]
+        """vLLM's ``MooncakeConnector`` whose pushes are steered onto paths ARK leases."""
+
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+            try:
+                self.ark = ArkVllmSettings.from_extra(extra)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+            # One connection per push, opened from the pushing thread (what a lease can
+            # steer); it must be set before the engine initialises.
+            os.environ.setdefault(POOL_ENV, "0")
+            with cpu_device_index():
+                super().__init__(vllm_config, role, kv_cache_config)
+            worker = getattr(self, "connector_worker", None)
+            if worker is not None and not worker.is_kv_consumer and (self.ark.cluster or self.ark.transfer_log):
+                worker.engine = steered_engine(worker.engine, self.ark)
+
+    ArkMooncakeConnector.__module__ = __name__
+    return ArkMooncakeConnector
+
+
+def __getattr__(name: str) -> Any:
+    """``ArkMooncakeConnector``, what vLLM's connector factory looks up in this module."""
+    if name == "ArkMooncakeConnector":
+        cls = globals()[name] = _connector_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

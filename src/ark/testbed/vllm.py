@@ -1,7 +1,7 @@
 """vLLM prefill/decode on the namespace testbed (``ark testbed run --engine vllm``).
 
 A *fleet* of vLLM instances starts once per invocation: prefill instances in hosts of the
-first leaf (pod), decode instances in hosts of the last, each under the ``connect()``
+first leaf, decode instances in hosts of the last, each under the ``connect()``
 interposer with :class:`ark.integrations.vllm.ArkMooncakeConnector` (the prefill side's
 pushes steered; its mode file says how), ``VLLM_HOST_IP`` its data address, and the decode
 side's Mooncake ports drawn from two ports that the agents probe. Every (seed, scheme) run
@@ -10,9 +10,10 @@ only), ``ark`` (a single-path lease per push) and ``ark-split`` (a multi-path le
 
 One run: the seed's hash keys, probes, agents; the testbed's own senders move background KV
 flows (the seeded workload minus the fleet's hosts) under the same scheme, so uplinks and
-spines are contended; a client (in a prefill host, over the management network) sends the seeded requests through
-the P/D router (:mod:`ark.integrations.pdrouter`) at their times and measures, as a user
-would, time to first token and time per output token of each streamed answer. After the
+spines are contended; a client (in a prefill host, over the management network) sends the
+seeded requests through the P/D router (:mod:`ark.integrations.pdrouter`) at their times
+and measures, as a user would, time to first token and time per output token of each
+streamed answer. After the
 requests, each prompt is sent once more to a prefill instance alone (greedy): its answer
 must equal the P/D answer. The prefill instances' transfer logs give every push, which the
 spine counters then check against the lease's paths.
@@ -47,6 +48,11 @@ HTTP_PORT = 8100  # each instance's OpenAI server (inside its host namespace)
 BOOTSTRAP_PORT = 8998  # the prefill side's Mooncake bootstrap server
 RPC_PORTS = (15100, 15101)  # the decode side's Mooncake handshake and data ports (both probed)
 MAX_TOKENS = 16
+REQUEST_TIMEOUT_S = 120.0
+# Ports probed from each prefill host to each decode host: a push opens one connection per
+# contiguous block range (4 to 44 seen here), each stays in TIME_WAIT for a minute, and a
+# flow may take at most 64 extra ports and 1/8 of its path's, so a path needs about 500.
+FLEET_SAMPLE = 4096
 START_TIMEOUT_S = 600.0  # instances start one after another on a busy 2-core machine
 
 
@@ -129,6 +135,9 @@ class Fleet:
             argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model),
                     "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--dtype", "float32", "--max-model-len", "2048",
                     "--max-num-seqs", "8", "--enforce-eager", "--served-model-name", "tiny",
+                    # Every scheme of a seed sends the same prompts: a cached prefix would spare
+                    # the later schemes' prefill, and a decode instance holding it would pull nothing.
+                    "--no-enable-prefix-caching",
                     "--kv-transfer-config", json.dumps(self._kv_config(host, host in self.prefill))]
             t = time.monotonic()
             self.procs.append(spawn_in_host(self.st, host, argv, self.work / f"vllm-gpu{host}.log", self._env(host)))
@@ -192,7 +201,11 @@ async def _one(session: Any, url: str, req: Request, t0: float, max_tokens: int)
                     line = raw.decode().strip()
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    piece = json.loads(line[6:])["choices"][0].get("text", "")
+                    chunk = json.loads(line[6:])
+                    if "choices" not in chunk:  # the server failed mid-answer (a KV load that failed)
+                        err = str(chunk.get("error", chunk))[:200]
+                        break
+                    piece = chunk["choices"][0].get("text", "")
                     if piece:
                         stamps.append(time.time())
                         text.append(piece)
@@ -224,7 +237,9 @@ async def client(plan: ClientPlan) -> dict[str, Any]:
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        # A request whose KV never arrives fails at the decode side only after minutes (its
+        # connector's abort timeout): two minutes is already a failure here.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as s:
             recs = await asyncio.gather(*(_one(s, url, r, plan.t0, plan.max_tokens) for r in plan.requests))
             t_end = time.time()
             # The same prompts on one instance alone, after the measured window.
@@ -285,7 +300,7 @@ def run(st: State, params: Any, fleet: Fleet, n_requests: int, progress: Any) ->
     keys, rekeyed = rekey(st, params.seed)
     probe_info = probe_or_check(st, cross_leaf_pairs(st, background), params.sample, cluster, True, progress)
     fleet_pairs = {p: set(fleet.decode) for p in fleet.prefill}
-    fleet_probe = probe_or_check(st, fleet_pairs, params.sample, cluster, True, progress, list(RPC_PORTS))
+    fleet_probe = probe_or_check(st, fleet_pairs, FLEET_SAMPLE, cluster, True, progress, list(RPC_PORTS))
     tr = TestbedRun(st, params, background, progress)
     window = max((f.start_s for f in background), default=10.0)
     reqs = requests_for(params.seed, n_requests, window)
