@@ -368,7 +368,8 @@ class Node:
             lease, out = self.reserve(dst, q + (i < r), now, dport, avoid=avoid)
             leases.append(lease)
             outs.extend(out)
-            avoid |= 1 << lease.path
+            if lease.path >= 0:  # an ECMP part of a probed map may lead over a path nobody knows (-1)
+                avoid |= 1 << lease.path
         return leases, outs
 
     def renew(self, flow: FlowId, now: float) -> tuple[Lease, list[Output]]:
