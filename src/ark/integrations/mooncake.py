@@ -88,10 +88,6 @@ class Transfer:
     finals: list[Lease] = field(default_factory=list)
 
     @property
-    def final(self) -> Lease | None:
-        return self.finals[0] if self.finals else None
-
-    @property
     def repathed(self) -> bool:
         return any(f.path != le.path for f, le in zip(self.finals, self.leases, strict=False))
 
@@ -214,7 +210,9 @@ class SteeredTransferEngine:
     @contextlib.contextmanager
     def steer(self, target_hostname: str, nbytes: int, connections: int = 1) -> Iterator[Transfer]:
         """Engine calls of this thread inside the block: their data connections to the
-        target take ports of a path reserved for ``nbytes`` (lease renewed, released at exit)."""
+        target take ports of a path reserved for ``nbytes`` (with ``parts``, of the parts'
+        paths in turn; lease renewed, released at exit). While ``observing``, the
+        connections are only recorded."""
         ip, rpc_port = parse_target(target_hostname)
         dst = self.hosts.get(ip)
         if dst is None and (self.observing or self._client is None):
