@@ -399,8 +399,24 @@ def test_multi_path_lease_over_real_sockets(trio) -> None:
         auto = c.reserve_split(dst, 10**12, parts=0)
         assert len(auto) == cl.fabric.n_paths(cl.host(src).index, cl.host(dst).index)
         c.release_split([p.flow_id for p in auto])
+        # Ports for the connections the caller will open come with the reservation: seven
+        # connections over three parts are three ports a part, each on its part's path.
+        got = c.reserve_ports(dst, 3 * 10**6, parts=3, connections=7)
+        assert [len(ports) for _, ports in got] == [3, 3, 3]
+        for le, ports in got:
+            assert ports[0] == le.src_port and {pm.path_of(p) for p in ports} == {le.path}
+        assert len({p for _, ports in got for p in ports}) == 9
+        # They are the flow's extra ports: more_ports does not hand them out again.
+        _path, more = c.more_ports(got[0][0].flow_id, 2)
+        assert not set(more) & {p for _, ports in got for p in ports}
+        c.release_split([le.flow_id for le, _ in got])
+        (single, ports), = c.reserve_ports(dst, 10**6, connections=2)
+        assert ports[0] == single.src_port and len(ports) == 2 and pm.path_of(ports[1]) == single.path
+        c.release(single.flow_id)
         for req, why in (({"parts": 17}, r"^parts: must be <= 16"), ({"parts": -1}, r"^parts: must be >= 0"),
-                         ({"parts": "2"}, r"^parts: must be an integer")):
+                         ({"parts": "2"}, r"^parts: must be an integer"),
+                         ({"connections": 1025}, r"^connections: must be <= 1024"),
+                         ({"connections": -1}, r"^connections: must be >= 0")):
             with pytest.raises(ArkClientError, match=why):
                 c.call({"op": "reserve", "dst": dst, "nbytes": 1, **req})
         with pytest.raises(ArkClientError, match="give either flow"):
@@ -416,6 +432,7 @@ def test_multi_path_lease_context_manager_renews_and_releases_every_part(trio) -
     src = running[1]
     with ArkClient(procs.api(src)) as c, c.lease(other_leaf(cl, src), 2 * 10**6, parts=2) as held:
         assert len(held.parts) == 2 and len(set(held.paths)) == 2 and len(set(held.src_ports)) == 2
+        assert held.ports == [[le.src_port] for le in held.parts]  # no connections named: only their own
         time.sleep(1.5)  # more than two lease periods: only renewals keep the parts alive
         held.check()
         t = tables(procs, running)

@@ -100,6 +100,39 @@ def test_steered_connections_bind_free_rule_ports_in_order() -> None:
     assert all(c["steered"] is True and c["dport"] == out["dport"] for c in out["log"])
 
 
+def test_laned_ports_keep_each_connection_on_its_lane_when_a_port_is_held() -> None:
+    b = base()
+    out = run("""
+        from ark.integrations.preload import Laned
+        p, q = server(), server(close_first=False)   # q: the client closes first, so its port is in TIME_WAIT
+        busy = socket.socket(); busy.bind(("0.0.0.0", B + 1))            # lane 0's first port, held
+        rounds = []
+        def resolver(dport, need):
+            rounds.append(need)
+            if len(rounds) == 1:   # two lanes, interleaved as a multi-path lease hands them out
+                return Laned([B + 1, B + 2, B + 3, B + 4, B + 5, B + 6], [0, 1, 0, 1, 0, 1])
+            return Laned([B + 7, B + 8], [0, 1]) if len(rounds) == 2 else []
+        with Rule("127.0.0.1", hint=4, resolver=resolver) as r:
+            ports = [dial(q, client_closes=True) for _ in range(4)]   # each leaves its port in TIME_WAIT
+            more = [dial(p) for _ in range(3)]
+        try:
+            r.add_ports([B + 9, B + 10], [0, 256])
+            bad = None
+        except ValueError as e:
+            bad = str(e)
+        print(json.dumps({"ports": ports, "more": more, "rounds": rounds, "stats": r.stats().__dict__, "bad": bad}))
+    """, base=b)
+    # Lanes in turn: 0, 1, 0, 1, each from its own place; lane 0's held port is stepped over
+    # to lane 0's next one, not to lane 1's.
+    assert out["ports"] == [b + 3, b + 2, b + 5, b + 4]
+    # Then lane 0 has no free port (b+1 held, b+3 and b+5 in TIME_WAIT): the resolver is
+    # asked once and its new lane-0 port taken; lane 1 goes on with its own; lane 0 comes
+    # round to b+7 again (its server closed first: no TIME_WAIT).
+    assert out["more"] == [b + 7, b + 6, b + 7] and len(out["rounds"]) == 2
+    assert out["stats"]["fallback"] == 0 and out["stats"]["steered"] == 7
+    assert out["bad"].startswith("lanes: expected one integer 0..255 per port")
+
+
 def test_no_free_port_falls_back_to_an_unbound_connection() -> None:
     b = base()
     out = run("""

@@ -24,7 +24,10 @@ def test_settings_take_the_ark_keys_and_name_a_bad_one() -> None:
                                     "ark_parts": 0, "ark_hosts": {"10.0.0.9": "gpu9"}})
     assert (s.cluster, s.host, s.parts, s.hosts, s.steer) == ("c.toml", "gpu0", 0, {"10.0.0.9": "gpu9"}, True)
     assert ArkVllmSettings.from_extra(None) == ArkVllmSettings()
+    assert ArkVllmSettings.from_extra({"ark_idle_step_s": 0.01}).idle_step_s == 0.01
+    assert ArkVllmSettings().idle_step_s == 0.0  # vLLM's own pace
     for extra, why in (({"ark_parts": 17}, "parts"), ({"ark_parts": "2"}, "parts"), ({"ark_steer": "no"}, "steer"),
+                       ({"ark_idle_step_s": 0.5}, "idle_step_s"), ({"ark_idle_step_s": float("nan")}, "idle_step_s"),
                        ({"ark_cluster": "c.toml"}, "ark_cluster: give ark_cluster and ark_host together"),
                        ({"ark_bogus": 1}, "bogus")):
         with pytest.raises(ConfigError, match=why):

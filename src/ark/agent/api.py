@@ -45,6 +45,10 @@ class ReserveReq(_Req):
     # A multi-path lease of this many parts (0: the agent's size-aware choice); the reply
     # then has "leases", one per part. None: one path, the reply has "lease".
     parts: Annotated[int, msgspec.Meta(ge=0, le=MAX_SPLIT_PARTS)] | None = None
+    # The connections the caller will open for this lease: each reserved part then comes
+    # with the ports for its share of them (its own and more of its path), so that an
+    # engine opening many connections needs no more_ports round trip. 0 or 1: none extra.
+    connections: Annotated[int, msgspec.Meta(ge=0, le=MORE_PORTS_MAX)] = 0
 
 
 FlowId = tuple[_U32, _U63]
@@ -170,13 +174,23 @@ class LocalApi:
             lease, outs = node.reserve(dst, req.nbytes, now, dport)
             self.agent.emit(outs)
             self._hold([lease])
-            return {"ok": True, "lease": lease_dict(lease)}
+            return {"ok": True, "lease": self._with_ports(lease, req.connections)}
         parts = req.parts or split_parts(req.nbytes, node.core.routes.n_paths(node.host, dst),
                                          self.agent.cluster.split_part_bytes)
         leases, outs = node.reserve_split(dst, req.nbytes, now, parts, dport)
         self.agent.emit(outs)
         self._hold(leases)
-        return {"ok": True, "leases": [lease_dict(le) for le in leases]}
+        share = -(-req.connections // max(1, sum(le.reserved for le in leases)))
+        return {"ok": True, "leases": [self._with_ports(le, share) for le in leases]}
+
+    def _with_ports(self, lease: Lease, connections: int) -> dict[str, Any]:
+        """The lease's reply; asked for ``connections`` > 1 and reserved, it also names
+        ``ports``: its own source port and more of its path, one per connection (fewer when
+        the path's bucket or the flow's cap of extra ports has no more)."""
+        d = lease_dict(lease)
+        if connections > 1 and lease.reserved and self.agent.node.holds(lease.flow_id):
+            d["ports"] = [lease.src_port, *self.agent.node.more_ports(lease.flow_id, connections - 1)]
+        return d
 
     def op_renew(self, req: FlowsReq, rid: bytes, now: float) -> Reply:
         node, flows = self.agent.node, req.ids()

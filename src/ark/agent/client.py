@@ -75,6 +75,7 @@ class HeldLease:
 
     def __init__(self, lease: Lease) -> None:
         self.current = lease
+        self.ports: list[list[int]] = [[lease.src_port] if lease.reserved else []]  # per part, as reserved
         self.lost = threading.Event()
         self.error: BaseException | None = None
 
@@ -103,6 +104,7 @@ class HeldSplit(HeldLease):
     def __init__(self, leases: list[Lease]) -> None:
         super().__init__(leases[0])
         self.parts = leases
+        self.ports = [[le.src_port] if le.reserved else [] for le in leases]
 
     def __getattr__(self, name: str) -> Any:
         if name == "expires":
@@ -169,29 +171,40 @@ class ArkClient:
 
     def reserve(self, dst: str | int, nbytes: int, dport: int = 4791, wait_ready_s: float = 10.0) -> Lease:
         """A path, source port and flow label for a KV flow to ``dst``."""
-        deadline = time.monotonic() + wait_ready_s
-        while True:
-            try:
-                return _lease(self.call({"op": "reserve", "dst": dst, "nbytes": nbytes, "dport": dport})["lease"])
-            except AgentNotReady:
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.02)
+        return self.reserve_ports(dst, nbytes, dport=dport, wait_ready_s=wait_ready_s)[0][0]
 
     def reserve_split(self, dst: str | int, nbytes: int, parts: int = 0, dport: int = 4791,
                       wait_ready_s: float = 10.0) -> list[Lease]:
         """A multi-path lease: one :class:`Lease` per part, each on its own path while the
         fabric has free ones. ``parts`` = 0: the agent chooses by size (one part per its
         ``split_part_bytes``, at most one per path)."""
+        return [le for le, _ in self.reserve_ports(dst, nbytes, dport=dport, parts=parts, wait_ready_s=wait_ready_s)]
+
+    def reserve_ports(self, dst: str | int, nbytes: int, *, dport: int = 4791, parts: int | None = None,
+                      connections: int = 0, wait_ready_s: float = 10.0) -> list[tuple[Lease, list[int]]]:
+        """A lease (``parts`` None) or a multi-path lease, each part with the source ports
+        of its path for its share of ``connections`` (its own port first; none for a part
+        that reserved nothing), in one round trip. Retries while the agent is not ready."""
         deadline = time.monotonic() + wait_ready_s
-        req = {"op": "reserve", "dst": dst, "nbytes": nbytes, "dport": dport, "parts": parts}
+        req: dict[str, Any] = {"op": "reserve", "dst": dst, "nbytes": nbytes, "dport": dport}
+        if parts is not None:
+            req["parts"] = parts
+        if connections > 1:
+            req["connections"] = connections
         while True:
             try:
-                return [_lease(d) for d in self.call(req)["leases"]]
+                rep = self.call(req)
+                break
             except AgentNotReady:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.02)
+        out = []
+        for d in rep["leases"] if parts is not None else [rep["lease"]]:
+            lease = _lease(d)
+            ports = [int(p) for p in d.get("ports", ())] or ([lease.src_port] if lease.reserved else [])
+            out.append((lease, ports))
+        return out
 
     def renew(self, flow_id: tuple[int, int]) -> Lease:
         return _lease(self.call({"op": "renew", "flow": list(flow_id)})["lease"])
@@ -247,18 +260,21 @@ class ArkClient:
     @contextmanager
     def lease(
         self, dst: str | int, nbytes: int, dport: int = 4791, renew: bool = True,
-        on_lost: Callable[[HeldLease], None] | None = None, parts: int | None = None,
+        on_lost: Callable[[HeldLease], None] | None = None, parts: int | None = None, connections: int = 0,
     ) -> Iterator[HeldLease]:
         """Reserve, renew in the background while the body runs, release at exit.
 
         ``parts``: a multi-path lease (:class:`HeldSplit`, one path per part; 0 lets the
-        agent choose by size); None: one path (:class:`HeldLease`). A lease that cannot
+        agent choose by size); None: one path (:class:`HeldLease`). ``connections``: the
+        connections the body will open; ``held.ports`` then lists, per part, that part's
+        ports for its share of them (see :meth:`reserve_ports`). A lease that cannot
         be renewed is reported while the body runs (``held.lost``, ``on_lost``,
         ``held.check()``). At exit the body's own exception always wins: a failure to
         release is then only attached to it as a note.
         """
-        held = (HeldLease(self.reserve(dst, nbytes, dport)) if parts is None
-                else HeldSplit(self.reserve_split(dst, nbytes, parts, dport)))
+        got = self.reserve_ports(dst, nbytes, dport=dport, parts=parts, connections=connections)
+        held = HeldLease(got[0][0]) if parts is None else HeldSplit([le for le, _ in got])
+        held.ports = [ports for _, ports in got]
         stop = threading.Event()
         renewer = None
         if renew:

@@ -23,7 +23,8 @@ A steered write (``transfer_sync_write``, ``batch_transfer_sync_write``, ``trans
 1. enters a rule for the peer's address that skips its handshake (RPC) port;
 2. when the engine opens its first data connection, the rule's resolver learns the data
    port it connects to and takes a lease from the local agent for (peer, bytes, that port),
-   plus more ports of the leased path (``more_ports``) for the other connections;
+   which comes with a port of the leased path (of each part's path, with ``parts``) for
+   every connection the call is expected to open, all in one round trip;
 3. each connection is bound to the next free one of those ports (ports still in TIME_WAIT
    from earlier transfers are skipped, and more are asked for when they run out);
 4. the lease is renewed in the background while the call runs and released when it returns
@@ -50,9 +51,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ark.agent.api import MORE_PORTS_MAX
 from ark.agent.client import ArkClient, ArkClientError, HeldSplit
 from ark.core.node import MAX_SPLIT_PARTS, Lease
-from ark.integrations.preload import Connection, Rule, RuleStats, require
+from ark.integrations.preload import Connection, Laned, Rule, RuleStats, require
 
 log = logging.getLogger("ark.integrations.mooncake")
 POOL_ENV = "MC_TCP_ENABLE_CONNECTION_POOL"
@@ -265,49 +267,37 @@ class SteeredTransferEngine:
                     t.finals = [client.current(le.flow_id) for le in t.leases] if client is not None else []
             # leaving the stack stops the renewer and releases the lease
 
-    def _ports(self, t: Transfer, client: ArkClient, stack: contextlib.ExitStack, dport: int, need: int) -> list[int]:
+    def _ports(self, t: Transfer, client: ArkClient, stack: contextlib.ExitStack, dport: int, need: int) -> Laned:
         """The rule's resolver: lease on the first data connection, then more ports.
 
         The ports come interleaved across the lease's reserved parts (part 0, part 1, ...,
-        part 0, ...), so that the interposer, which hands them out in order, puts the
-        connections on the parts round-robin."""
+        part 0, ...), each with its part's lane, so that the interposer puts the
+        connections on the parts round-robin, and one whose port is held (TIME_WAIT) on
+        another port of the same part."""
         first_call = not t.leases
-        if first_call:
+        if first_call:  # the lease, with each part's ports for its share of the connections, in one round trip
             t0 = time.perf_counter()
             t.dport = dport
-            held = stack.enter_context(client.lease(t.dst, t.nbytes, dport, parts=self.parts))  # renewed until the stack closes
+            held = stack.enter_context(client.lease(t.dst, t.nbytes, dport, parts=self.parts,  # renewed until exit
+                                                    connections=min(need, MORE_PORTS_MAX)))
             t.leases = list(held.parts) if isinstance(held, HeldSplit) else [held.current]  # as reserved
             t.lease = t.leases[0]
-            live = [k for k, le in enumerate(t.leases) if le.reserved]
-            if not live:
-                # Every path is taken: plain ECMP, which for a transfer of several connections
-                # means each hashed on its own (one port of one random path would pile them up).
-                t.reserve_s = time.perf_counter() - t0
-                return []
-            # One port per expected connection; spares only when some are held (TIME_WAIT).
-            per = -(-need // len(live))
-            columns = []
-            for k in live:
-                path, more = self._more(client, t.leases[k], per - 1)
-                columns.append((k, path, [t.leases[k].src_port, *more]))
             t.reserve_s = time.perf_counter() - t0
-        else:  # every port so far is held: more, with spares
+            # A part that reserved nothing has no ports: when none did (every path taken),
+            # plain ECMP, which for several connections means each hashed on its own (one
+            # port of one random path would pile them up).
+            columns = [(k, t.leases[k].path, held.ports[k]) for k, le in enumerate(t.leases) if le.reserved]
+        else:  # every port so far is held (TIME_WAIT): more, with spares
             live = [k for k, le in enumerate(t.leases) if le.reserved]
-            per = -(-(need + self.spare) // len(live))
+            per = -(-(need + self.spare) // max(1, len(live)))
             columns = [(k, *client.more_ports(t.leases[k].flow_id, per)) for k in live]
         for k, path, column in columns:
             t.port_paths.update(dict.fromkeys(column, path))
             t.port_parts.update(dict.fromkeys(column, k))
-            if first_call:  # the lease's own port leads over the lease's path (a race may have moved the flow since)
-                t.port_paths[t.leases[k].src_port] = t.leases[k].path
+        lane_of = {k: lane for lane, (k, _p, _c) in enumerate(columns)}
         ports = [p for row in itertools.zip_longest(*(c for _k, _p, c in columns)) for p in row if p is not None]
         t.ports += ports
-        return ports
-
-    @staticmethod
-    def _more(client: ArkClient, lease: Lease, n: int) -> tuple[int, list[int]]:
-        """(the part's path now, ``n`` more ports of it); the lease's own port leads the column."""
-        return client.more_ports(lease.flow_id, n) if n > 0 else (lease.path, [])
+        return Laned(ports, [lane_of[t.port_parts[p]] for p in ports])
 
     # ------------------------------------------------------------------ drop-in calls
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,

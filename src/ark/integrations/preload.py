@@ -27,12 +27,21 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import TracebackType
+from typing import NamedTuple
 
-VERSION = 1
+VERSION = 2
 MAX_PORTS = 4096
 LIB_NAME = "libarksteer"
 # resolver(dport, need) -> ports for the rule (the destination port the engine connects to)
-Resolver = Callable[[int, int], list[int]]
+class Laned(NamedTuple):
+    """Ports with their lanes (0..255; the part of a multi-path lease each belongs to):
+    connections take the lanes in turn, each on a free port of its own lane first."""
+
+    ports: list[int]
+    lanes: list[int]
+
+
+Resolver = Callable[[int, int], "list[int] | Laned"]
 _RESOLVE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint16, ctypes.c_int)
 
 
@@ -103,6 +112,8 @@ class _Lib:
         self.leave.restype, self.leave.argtypes = None, []
         self.add_ports = glob.ark_steer_add_ports
         self.add_ports.restype, self.add_ports.argtypes = i, [vp, u16p, i]
+        self.add_lanes = glob.ark_steer_add_lanes
+        self.add_lanes.restype, self.add_lanes.argtypes = i, [vp, u16p, ctypes.POINTER(ctypes.c_uint8), i]
         self.set_ports = glob.ark_steer_set_ports
         self.set_ports.restype, self.set_ports.argtypes = None, [vp, u16p, i]
         self.stats = glob.ark_steer_stats
@@ -163,7 +174,7 @@ class Rule:
 
     ``resolver(dport, need)`` is called from inside the engine's ``connect()`` when the rule
     has no free port, with the destination port and the connections still expected; the
-    ports it returns are added. Use as a context manager in the thread that calls the engine.
+    ports it returns are added (with their lanes when it returns :class:`Laned`). Use as a context manager in the thread that calls the engine.
     """
 
     def __init__(self, dst_ip: str, *, skip_port: int = 0, steer: bool = True, hint: int = 1,
@@ -191,20 +202,28 @@ class Rule:
         if self.resolver is None or self._handle is None:
             return 0
         try:
-            ports = self.resolver(int(dport), int(need))
+            got = self.resolver(int(dport), int(need))
+            if isinstance(got, Laned):
+                return self.add_ports(got.ports, got.lanes) if got.ports else 0
+            return self.add_ports(got) if got else 0
         except BaseException as e:  # never unwind through C: the connection falls back
             self.resolver_error = e
             return 0
-        return self.add_ports(ports) if ports else 0
 
     def _live(self) -> int:
         if self._handle is None:
             raise ValueError("rule: already closed")
         return self._handle
 
-    def add_ports(self, ports: list[int]) -> int:
+    def add_ports(self, ports: list[int], lanes: list[int] | None = None) -> int:
+        """Append ports (with their lanes, 0..255, one per port); how many the rule took."""
         arr = _ports_array(ports)
-        return int(self._lib.add_ports(self._live(), arr, len(ports)))
+        if lanes is None:
+            return int(self._lib.add_ports(self._live(), arr, len(ports)))
+        if len(lanes) != len(ports) or not all(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= 255
+                                                  for k in lanes):
+            raise ValueError(f"lanes: expected one integer 0..255 per port; got {lanes!r:.80}")
+        return int(self._lib.add_lanes(self._live(), arr, (ctypes.c_uint8 * len(lanes))(*lanes), len(ports)))
 
     def set_ports(self, ports: list[int]) -> None:
         arr = _ports_array(ports)

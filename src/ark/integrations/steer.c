@@ -14,6 +14,13 @@
  * destination port the engine connects to) for more, once per exhaustion; with none,
  * the connection goes out unbound (plain ECMP) and counts as a fallback.
  *
+ * Ports may carry a lane (the part of a multi-path lease they belong to): connections
+ * then take the lanes in turn (the k-th steered connection lane k mod lanes), each on the
+ * lane's next free port (each lane keeps its own place), so that a port held by an earlier
+ * connection moves a connection to another port of its own part, not to the next part's;
+ * only when its lane has no free port left, even after the resolver, does it take a port
+ * of another lane.
+ *
  * Rules are heap objects: the owner thread enters and leaves one; any thread may add
  * ports or read its log. Build: cc -O2 -shared -fPIC -o libarksteer.so steer.c -ldl -lpthread
  */
@@ -28,7 +35,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define ARK_STEER_VERSION 1
+#define ARK_STEER_VERSION 2
 #define ARK_MAX_PORTS 4096
 #define ARK_MAX_LOG 4096
 #define ARK_MAX_RESOLVES 8 /* resolver calls for one connection */
@@ -51,7 +58,10 @@ struct ark_rule {
     resolve_fn resolve;
     void *ctx;
     uint16_t ports[ARK_MAX_PORTS];
+    uint8_t lanes[ARK_MAX_PORTS];
     int n, next, exhausted;
+    int nlanes, turn; /* lanes in use (1: none given), steered connections so far */
+    int lane_next[256]; /* per lane, where its search for a free port starts */
     int steered, fallback, recorded, resolves;
     struct ark_conn log[ARK_MAX_LOG];
     int nlog;
@@ -85,6 +95,7 @@ struct ark_rule *ark_steer_new(uint32_t dst_ip_be, int skip_port, int steer, int
     r->hint = hint > 0 ? hint : 1;
     r->resolve = resolve;
     r->ctx = ctx;
+    r->nlanes = 1;
     return r;
 }
 
@@ -99,13 +110,17 @@ void ark_steer_enter(struct ark_rule *r) { current_rule = r; }
 
 void ark_steer_leave(void) { current_rule = NULL; }
 
-/* Append ports (host order, 1..65535); returns how many the rule took. */
-int ark_steer_add_ports(struct ark_rule *r, const uint16_t *ports, int n) {
+/* Append ports (host order, 1..65535) with their lanes (NULL: lane 0); returns how many
+ * the rule took. */
+int ark_steer_add_lanes(struct ark_rule *r, const uint16_t *ports, const uint8_t *lanes, int n) {
     int added = 0;
     pthread_mutex_lock(&r->mu);
     for (int i = 0; i < n && r->n < ARK_MAX_PORTS; i++) {
         if (ports[i] == 0) continue;
+        uint8_t lane = lanes ? lanes[i] : 0;
+        r->lanes[r->n] = lane;
         r->ports[r->n++] = ports[i];
+        if (lane + 1 > r->nlanes) r->nlanes = lane + 1;
         added++;
     }
     if (added) r->exhausted = 0;
@@ -113,10 +128,16 @@ int ark_steer_add_ports(struct ark_rule *r, const uint16_t *ports, int n) {
     return added;
 }
 
+int ark_steer_add_ports(struct ark_rule *r, const uint16_t *ports, int n) {
+    return ark_steer_add_lanes(r, ports, NULL, n);
+}
+
 /* Replace the ports (a re-pathed lease): later connections use the new ones. */
 void ark_steer_set_ports(struct ark_rule *r, const uint16_t *ports, int n) {
     pthread_mutex_lock(&r->mu);
     r->n = r->next = 0;
+    r->nlanes = 1;
+    memset(r->lane_next, 0, sizeof(r->lane_next));
     pthread_mutex_unlock(&r->mu);
     ark_steer_add_ports(r, ports, n);
 }
@@ -154,16 +175,20 @@ static void log_conn(struct ark_rule *r, uint16_t sport, uint16_t dport, int ste
     }
 }
 
-/* Bind fd to the rule's next free port; the port, or 0 when none is free. Lock held. */
-static uint16_t bind_next(struct ark_rule *r, int fd) {
+/* Bind fd to the rule's next free port of lane `lane` (-1: any lane); the port, or 0 when
+ * none is free. Lock held. */
+static uint16_t bind_next(struct ark_rule *r, int fd, int lane) {
+    int start = lane >= 0 ? r->lane_next[lane] : r->next;
     for (int tried = 0; tried < r->n; tried++) {
-        int i = (r->next + tried) % r->n;
+        int i = (start + tried) % r->n;
+        if (lane >= 0 && r->lanes[i] != lane) continue;
         struct sockaddr_in a;
         memset(&a, 0, sizeof(a));
         a.sin_family = AF_INET;
         a.sin_port = htons(r->ports[i]);
         if (bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0) {
             r->next = (i + 1) % r->n;
+            r->lane_next[r->lanes[i]] = r->next;
             return r->ports[i];
         }
         if (errno != EADDRINUSE) return 0; /* not a port question: leave it to the kernel */
@@ -191,7 +216,8 @@ static uint16_t local_port(int fd) {
 /* Steer fd for rule r towards dport: a bound port, or 0 (fallback). */
 static uint16_t steer_fd(struct ark_rule *r, int fd, uint16_t dport) {
     pthread_mutex_lock(&r->mu);
-    uint16_t port = bind_next(r, fd);
+    int lane = r->nlanes > 1 ? r->turn % r->nlanes : -1;
+    uint16_t port = bind_next(r, fd, lane);
     for (int round = 0; !port && !r->exhausted && r->resolve && round < ARK_MAX_RESOLVES; round++) {
         int need = r->hint - r->steered;
         r->resolves++;
@@ -200,10 +226,13 @@ static uint16_t steer_fd(struct ark_rule *r, int fd, uint16_t dport) {
         int added = r->resolve(r->ctx, dport, need > 0 ? need : 1);
         pthread_mutex_lock(&r->mu);
         if (added <= 0) break;
-        port = bind_next(r, fd);
+        lane = r->nlanes > 1 ? r->turn % r->nlanes : -1; /* the first ports may bring the lanes */
+        port = bind_next(r, fd, lane);
     }
+    if (!port && lane >= 0) port = bind_next(r, fd, -1); /* its lane is dry: any other */
     if (port) {
         r->steered++;
+        r->turn++;
     } else {
         r->fallback++;
     }

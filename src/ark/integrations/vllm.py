@@ -33,7 +33,13 @@ Nothing of vLLM is patched or copied: the connector is a subclass loaded through
   whenever it changes, before a push: one running instance can then serve every scheme of
   an experiment in turn (the testbed writes it between runs);
 * ``ark_transfer_log``: a file to which each push appends one JSON line (target, bytes,
-  start and end, leases, every connection with its port, part and path).
+  start and end, leases, every connection with its port, part and path);
+* ``ark_idle_step_s``: seconds (0 .. 0.1; default 0, vLLM's own pace) that an engine step
+  which schedules no token waits before it returns. While a request only waits for KV (a
+  decode instance pulling, a prefill instance holding blocks until they are pushed),
+  vLLM's engine steps every millisecond; on a machine whose cores the engines share with
+  the fabric (the testbed), that polling is most of their CPU. A request then notices its
+  KV up to this much later.
 
 On a CPU-only torch, vLLM 0.32's Mooncake worker asks ``torch.accelerator.current_device_index()``
 in its constructor, which raises without an accelerator; the index only feeds
@@ -48,6 +54,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -70,6 +77,7 @@ class ArkVllmSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     steer: bool = True
     transfer_log: str | None = None
     mode_file: str | None = None
+    idle_step_s: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.0
 
     def __post_init__(self) -> None:
         if (self.cluster is None) != (self.host is None):
@@ -206,6 +214,11 @@ def _connector_class() -> type:
             worker = getattr(self, "connector_worker", None)
             if worker is not None and not worker.is_kv_consumer and (self.ark.cluster or self.ark.transfer_log):
                 worker.engine = steered_engine(worker.engine, self.ark)
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            if self.ark.idle_step_s and not scheduler_output.total_num_scheduled_tokens:
+                time.sleep(self.ark.idle_step_s)  # an idle step: only requests waiting for KV (see ark_idle_step_s)
+            return super().build_connector_meta(scheduler_output)
 
     ArkMooncakeConnector.__module__ = __name__
     return ArkMooncakeConnector
