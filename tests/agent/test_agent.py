@@ -413,6 +413,11 @@ def test_multi_path_lease_over_real_sockets(trio) -> None:
         (single, ports), = c.reserve_ports(dst, 10**6, connections=2)
         assert ports[0] == single.src_port and len(ports) == 2 and pm.path_of(ports[1]) == single.path
         c.release(single.flow_id)
+        # A local user asking for the most connections gets no more than the flow's cap of
+        # extra ports (64) and 1/8 of the path's bucket: the flows after it keep theirs.
+        (greedy, ports), = c.reserve_ports(dst, 10**6, connections=1024)
+        assert 1 < len(ports) <= 1 + min(64, len(pm.buckets[greedy.path]) // 8)
+        c.release(greedy.flow_id)
         for req, why in (({"parts": 17}, r"^parts: must be <= 16"), ({"parts": -1}, r"^parts: must be >= 0"),
                          ({"parts": "2"}, r"^parts: must be an integer"),
                          ({"connections": 1025}, r"^connections: must be <= 1024"),

@@ -341,4 +341,3 @@ def test_bad_targets_and_pooled_lanes_are_refused() -> None:
     for bad in (17, -1, True, "2", 1.5):
         with pytest.raises(SteeringError, match=r"^parts: expected None or an integer 0..16"):
             SteeredTransferEngine(engine=object(), agent="ipc:///nowhere", hosts={}, parts=bad)
-

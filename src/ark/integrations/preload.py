@@ -32,7 +32,8 @@ from typing import NamedTuple
 VERSION = 2
 MAX_PORTS = 4096
 LIB_NAME = "libarksteer"
-# resolver(dport, need) -> ports for the rule (the destination port the engine connects to)
+
+
 class Laned(NamedTuple):
     """Ports with their lanes (0..255; the part of a multi-path lease each belongs to):
     connections take the lanes in turn, each on a free port of its own lane first."""
@@ -41,6 +42,7 @@ class Laned(NamedTuple):
     lanes: list[int]
 
 
+# resolver(dport, need) -> ports for the rule (the destination port the engine connects to)
 Resolver = Callable[[int, int], "list[int] | Laned"]
 _RESOLVE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint16, ctypes.c_int)
 
@@ -174,7 +176,8 @@ class Rule:
 
     ``resolver(dport, need)`` is called from inside the engine's ``connect()`` when the rule
     has no free port, with the destination port and the connections still expected; the
-    ports it returns are added (with their lanes when it returns :class:`Laned`). Use as a context manager in the thread that calls the engine.
+    ports it returns are added (with their lanes when it returns :class:`Laned`). Use as a
+    context manager in the thread that calls the engine.
     """
 
     def __init__(self, dst_ip: str, *, skip_port: int = 0, steer: bool = True, hint: int = 1,

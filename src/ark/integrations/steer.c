@@ -213,10 +213,13 @@ static uint16_t local_port(int fd) {
     return ntohs(me.sin_port);
 }
 
+/* The lane of the next steered connection (-1: the ports carry none). Lock held. */
+static int turn_lane(const struct ark_rule *r) { return r->nlanes > 1 ? r->turn % r->nlanes : -1; }
+
 /* Steer fd for rule r towards dport: a bound port, or 0 (fallback). */
 static uint16_t steer_fd(struct ark_rule *r, int fd, uint16_t dport) {
     pthread_mutex_lock(&r->mu);
-    int lane = r->nlanes > 1 ? r->turn % r->nlanes : -1;
+    int lane = turn_lane(r);
     uint16_t port = bind_next(r, fd, lane);
     for (int round = 0; !port && !r->exhausted && r->resolve && round < ARK_MAX_RESOLVES; round++) {
         int need = r->hint - r->steered;
@@ -226,7 +229,7 @@ static uint16_t steer_fd(struct ark_rule *r, int fd, uint16_t dport) {
         int added = r->resolve(r->ctx, dport, need > 0 ? need : 1);
         pthread_mutex_lock(&r->mu);
         if (added <= 0) break;
-        lane = r->nlanes > 1 ? r->turn % r->nlanes : -1; /* the first ports may bring the lanes */
+        lane = turn_lane(r); /* the first ports may bring the lanes */
         port = bind_next(r, fd, lane);
     }
     if (!port && lane >= 0) port = bind_next(r, fd, -1); /* its lane is dry: any other */
