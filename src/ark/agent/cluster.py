@@ -31,6 +31,12 @@ Example::
     secret_key_file = "keys/gpu0.key_secret"  # optional; --secret-key overrides
     # metrics_port = 9100          # optional Prometheus endpoint on 127.0.0.1
 
+    [[arbiters]]                   # optional: ark arbiter processes (primary first, then standby)
+    name = "arb0"
+    control = "tcp://10.9.0.100:7200"
+    public_key = "<40 z85 characters>"
+    secret_key_file = "keys/arb0.key_secret"
+
 Every bad value raises :class:`ClusterError` with a one-line message naming the field.
 Programs that write cluster files (``ark cluster``, the testbed) build a
 :class:`ClusterFile` and :meth:`~ClusterFile.save` it, so what they write is checked the
@@ -103,6 +109,11 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     probe_proto: Literal["udp", "tcp"] = "udp"
     probe_sample: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 128
     probe_check_s: NonNegative = 0.0  # > 0: re-probe a few ports this often; refresh on a change
+    # Arbiters ([[arbiters]], ark arbiter): a follower that hears no leader this long leads
+    # (arbiters beat every takeover_s / 5).
+    takeover_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
+    arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # requests/s a host may send
+    arbiter_burst_per_host: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
 
     def __post_init__(self) -> None:
         one_of("policy", self.policy, POLICIES)
@@ -160,10 +171,26 @@ class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
             raise ValueError("sign_key: must be 64 hex digits (ark keygen)")
 
 
+class ArbiterTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One ``[[arbiters]]`` table (``ark arbiter``): the first listed leads at a cold start."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    control: str  # where it listens for hosts and the other arbiters
+    public_key: str
+    secret_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not _ENDPOINT.match(self.control):
+            raise ValueError(f"control: must be tcp://HOST:PORT or ipc://PATH; got {self.control!r}")
+        if not _Z85.match(self.public_key):
+            raise ValueError("public_key: must be a 40-character Z85 CURVE key (ark keygen)")
+
+
 class ClusterFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """A whole cluster file, as written."""
 
     hosts: Annotated[list[HostTable], msgspec.Meta(min_length=1)]
+    arbiters: Annotated[list[ArbiterTable], msgspec.Meta(max_length=16)] = msgspec.field(default_factory=list)
     cluster: ClusterSettings = msgspec.field(default_factory=ClusterSettings)
     fabric: FabricConfig = msgspec.field(default_factory=FabricConfig)
 
@@ -171,7 +198,8 @@ class ClusterFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         """Write as TOML (tomli-w); what ``load`` reads back is this file."""
         p = Path(path)
         tables = _drop_none(msgspec.to_builtins(self))  # TOML has no null: absent means default
-        p.write_text(tomli_w.dumps({k: tables[k] for k in ("cluster", "fabric", "hosts")}))
+        keys = ("cluster", "fabric", "hosts", *(("arbiters",) if self.arbiters else ()))
+        p.write_text(tomli_w.dumps({k: tables[k] for k in keys}))
         return p
 
 
@@ -196,11 +224,29 @@ class HostEntry:
     sends_to: tuple[int, ...] = ()  # fabric indices of the hosts it sends KV flows to
 
 
+@dataclass(frozen=True)
+class ArbiterEntry:
+    name: str
+    rank: int  # its place in [[arbiters]]
+    control: str
+    public_key: str
+    secret_key_file: str | None
+
+
 class Cluster(ClusterSettings, frozen=True, kw_only=True):
-    """A loaded cluster file: the ``[cluster]`` settings, the built fabric and the hosts."""
+    """A loaded cluster file: the ``[cluster]`` settings, the built fabric, the hosts and
+    the arbiters."""
 
     fabric: Fabric
     hosts: tuple[HostEntry, ...]
+    arbiters: tuple[ArbiterEntry, ...] = ()
+
+    def arbiter(self, name: str) -> ArbiterEntry:
+        for a in self.arbiters:
+            if a.name == name:
+                return a
+        listed = ", ".join(a.name for a in self.arbiters) or "none"
+        raise ClusterError(f"arbiter: {name!r} is not in the cluster file's [[arbiters]]; listed: {listed}")
 
     def host(self, name: str) -> HostEntry:
         for h in self.hosts:
@@ -272,10 +318,25 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
             if v in seen:
                 raise ClusterError(f"hosts[{i}].{what}: the same as hosts[{seen[v]}]'s; every host needs its own")
             seen[v] = i
+    arbiters = _arbiters(f, base)
     settings = msgspec.structs.asdict(f.cluster)
     settings.update(pathmap_dir=_resolve(f.cluster.pathmap_dir, base), routers_file=_resolve(f.cluster.routers_file, base),
                     state_dir=_resolve(f.cluster.state_dir, base))
-    return Cluster(**settings, fabric=fabric, hosts=tuple(hosts))
+    return Cluster(**settings, fabric=fabric, hosts=tuple(hosts), arbiters=arbiters)
+
+
+def _arbiters(f: ClusterFile, base: Path | None) -> tuple[ArbiterEntry, ...]:
+    """The [[arbiters]]: names, endpoints and keys unique, also against the hosts' keys."""
+    out: list[ArbiterEntry] = []
+    host_keys = {h.public_key for h in f.hosts}
+    for i, a in enumerate(f.arbiters):
+        for what in ("name", "control", "public_key"):
+            if any(_same_socket(getattr(x, what)) == _same_socket(getattr(a, what)) for x in f.arbiters[:i]):
+                raise ClusterError(f"arbiters[{i}].{what}: the same as an earlier arbiter's; every arbiter needs its own")
+        if a.public_key in host_keys:
+            raise ClusterError(f"arbiters[{i}].public_key: a host's key; an arbiter needs its own (ark keygen)")
+        out.append(ArbiterEntry(a.name, i, a.control, a.public_key, _resolve(a.secret_key_file, base)))
+    return tuple(out)
 
 
 def load(path: str | Path) -> Cluster:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ark.agent.client import AgentNotReady, ArkClient, ArkClientError, wait_ready
-from ark.agent.cluster import Cluster, ClusterFile, ClusterSettings, HostTable
+from ark.agent.cluster import ArbiterTable, Cluster, ClusterFile, ClusterSettings, HostTable
 from ark.agent.cluster import load as load_cluster
 from ark.agent.keys import create_keypair
 from ark.core.fabric_config import FabricConfig
@@ -61,18 +61,23 @@ def write_cluster(
     retention_s: float = 5.0,
     sends_to: dict[str, list[str]] | None = None,
     metrics: bool = False,
+    arbiters: int = 0,
+    gpus_per_leaf: int | None = None,
+    takeover_s: float = 1.0,
 ) -> tuple[Path, list[str]]:
     """Keys and a cluster file for ``n`` agents on a 2-leaf fabric with ``spines`` spines.
 
     ``extra_hosts`` more hosts get keys and entries but no process is started for them
     by default (tests use them as strangers or impostors). ``sends_to`` (host name ->
     the names it sends KV flows to) makes the cluster scoped (``scope = "declared"``).
-    ``metrics``: every host gets a ``metrics_port`` too.
+    ``metrics``: every host gets a ``metrics_port`` too. ``arbiters``: that many
+    ``[[arbiters]]`` (``arb0``, ...; keys beside the hosts'). ``gpus_per_leaf``: a larger
+    fabric than the hosts need (the others have no entry).
     """
     total = n + extra_hosts
-    per_leaf = max(1, math.ceil(total / 2))
+    per_leaf = max(1, math.ceil(total / 2), gpus_per_leaf or 0)
     names = [f"gpu{(i % 2) * per_leaf + i // 2}" for i in range(total)]  # alternate leaves
-    ports = free_ports(2 * total if metrics else total)
+    ports = free_ports((2 * total if metrics else total) + arbiters)
     hosts = []
     for i, name in enumerate(names):
         kp = create_keypair(workdir / "keys", name)
@@ -84,9 +89,14 @@ def write_cluster(
                                peer_timeout_s=max(1.0, 2 * heartbeat_s), sync_timeout_s=1.0,
                                max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state", peer_rate=peer_rate,
                                max_flows_per_host=max_flows_per_host, retention_s=retention_s,
-                               scope="full" if sends_to is None else "declared")
+                               scope="full" if sends_to is None else "declared", takeover_s=takeover_s)
+    arbs = []
+    for r in range(arbiters):
+        kp = create_keypair(workdir / "keys", f"arb{r}")
+        arbs.append(ArbiterTable(name=f"arb{r}", control=f"tcp://127.0.0.1:{ports[-arbiters + r]}",
+                                 public_key=kp.public_key, secret_key_file=f"keys/arb{r}.key_secret"))
     path = ClusterFile(cluster=settings, fabric=FabricConfig(leaves=2, spines=spines, gpus_per_leaf=per_leaf),
-                       hosts=hosts).save(workdir / "cluster.toml")
+                       hosts=hosts, arbiters=arbs).save(workdir / "cluster.toml")
     return path, names
 
 
@@ -102,6 +112,7 @@ class AgentProcs:
         return f"ipc://{self.workdir}/api/{name}.sock"
 
     def start(self, name: str) -> None:
+        """Start the agent ``name`` (an ``arb...`` name: that arbiter)."""
         limit = self.fd_limit
 
         def limited() -> None:  # in the child, before exec
@@ -110,7 +121,8 @@ class AgentProcs:
 
         with open(self.workdir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "ark", "agent", "--cluster", str(self.cluster_file), "--host", name],
+                [sys.executable, "-m", "ark", *(("arbiter", "--name") if name.startswith("arb") else ("agent", "--host")),
+                 name, "--cluster", str(self.cluster_file)],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=limited if limit else None,
             )
 

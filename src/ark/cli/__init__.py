@@ -53,7 +53,7 @@ def cli() -> None:
 
 
 for command in (
-    experiment.reproduce, experiment.simulate, pathmap.pathmap, bench.bench, agent.agent, agent.keygen,
+    experiment.reproduce, experiment.simulate, pathmap.pathmap, bench.bench, agent.agent, agent.arbiter, agent.keygen,
     agent.status, agent.ports, agent.cluster_cmd, agent.probe_cmd, testbed.testbed, integrations.preload,
     sweep.sweep, polarisation.polarisation, compare.compare, racewindow.race_window, integrations.serve_pd,
 ):

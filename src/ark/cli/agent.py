@@ -29,6 +29,18 @@ def agent(cluster_path: str, host: str, secret_key: str | None, log_level: str) 
     run_agent(_cluster(cluster_path), host, secret_key, log_level)
 
 
+@click.command("arbiter")
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML.")
+@click.option("--name", required=True, help="This arbiter's name in the cluster file's [[arbiters]].")
+@click.option("--secret-key", type=click.Path(dir_okay=False), help="CURVE secret key file (default: from the cluster file).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
+def arbiter(cluster_path: str, name: str, secret_key: str | None, log_level: str) -> None:
+    """Run an ARK arbiter: decides for every host with one table (JSON logs on stderr)."""
+    from ark.agent.arbiter import run_arbiter
+
+    run_arbiter(_cluster(cluster_path), name, secret_key, log_level)
+
+
 @click.command()
 @click.option("--out", "out_dir", default="keys", show_default=True, help="Folder for the key files.")
 @click.option("--name", required=True, help="Key name (usually the host name).")

@@ -237,6 +237,50 @@ def bench_transport(messages: int, rate: float, as_json: bool) -> None:
                         f"receiver CPU per message (poll and receive only)")
 
 
+@bench.command("arbiter")
+@click.option("--rates", default="2000,5000,10000,15000,20000,30000,40000", show_default=True,
+              help="Offered decisions/s, comma-separated (the sweep stops at the first not sustained).")
+@click.option("--seconds", type=FiniteRange(min=0.5, max=600), default=3.0, show_default=True, help="Per rate.")
+@click.option("--hosts", type=click.IntRange(min=4, max=512), default=64, show_default=True)
+@click.option("--policy", type=click.Choice(["ark", "ark-balance", "ark-split"]), default="ark", show_default=True)
+@click.option("--takeover", "takeover_trials", type=click.IntRange(min=0, max=100), default=0, show_default=True,
+              help="Instead: SIGKILL a primary under a standby this many times; how long no arbiter answers.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_arbiter(rates: str, seconds: float, hosts: int, policy: str, takeover_trials: int, as_json: bool) -> None:
+    """One real arbiter process under an open-loop load over ZeroMQ with CURVE: decisions/s, grant latency, CPU."""
+    from ark.agent.arbiter_bench import arbiter_bench, takeover
+
+    if takeover_trials:
+        t = takeover(takeover_trials)
+        _print_json_or_line(t, as_json, f"primary SIGKILLed {t['trials']} times (takeover_s {t['takeover_s']}): no "
+                            f"arbiter answered for {', '.join(f'{g:.3f}' for g in t['no_arbiter_s'])} s")
+        return
+
+    try:
+        offered = tuple(float(x) for x in rates.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated numbers; got {rates!r}", param_hint="--rates") from None
+    if not offered or any(not 1 <= r <= 1e6 for r in offered):
+        raise click.BadParameter(f"expected rates in 1..1000000; got {rates!r}", param_hint="--rates")
+    r = arbiter_bench(offered, seconds, hosts=hosts, policy=policy)
+    if as_json:
+        out.print_json(data=r)
+        return
+    table = Table(title=f"arbiter ({policy}, {hosts} hosts; this machine: {r['machine']['transport_us_per_message']} us "
+                    f"per CURVE message, {r['machine']['cpus']} CPUs)")
+    for col in ("offered/s", "completed/s", "grant P50 ms", "grant P99 ms", "arbiter us/decision", "arbiter cores",
+                "generator cores", "sustained"):
+        table.add_column(col, justify="right")
+    rows = [*r["steps"], *([r["at_80_percent"]] if r["at_80_percent"] else [])]
+    for s in rows:
+        table.add_row(f"{s['offered_per_s']:.0f}", f"{s['completed_per_s']:.0f}", str(s["grant_p50_ms"]),
+                  str(s["grant_p99_ms"]), str(s["arbiter_cpu_us_per_decision"]), str(s["arbiter_cores"]),
+                  str(s["generator_cores"]), "yes" if s["sustained"] else "no")
+    out.print(t)
+    out.print(f"sustained {r['sustained_per_s']:.0f} decisions/s; knee at {r['knee_offered_per_s']} offered/s; "
+              f"the last row is 80% of the sustained rate")
+
+
 @bench.command("control-plane")
 @click.option("--hosts", "hosts_csv", default="16,256,1024,4096", show_default=True,
               help="Comma-separated cluster sizes: 16 or multiples of 128.")
@@ -249,15 +293,19 @@ def bench_transport(messages: int, rate: float, as_json: bool) -> None:
               help="Measure the agent's costs first (about a minute); else use --cost or the built-in figures.")
 @click.option("--cost", "cost_json", type=click.Path(exists=True, dir_okay=False),
               help="A JSON file of AgentCost terms (the 'cost' object of an earlier --json run).")
+@click.option("--arbiter-cost", "arbiter_cost_json", type=click.Path(exists=True, dir_okay=False),
+              help="A JSON file of ArbiterCost terms (per_request_us, per_keepalive_us, per_replica_copy_us, "
+                   "base_percent); default: the built-in provisional figures.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the figure here (PNG).")
 @click.option("--json", "as_json", is_flag=True)
 def bench_control_plane(hosts_csv: str, placements: tuple[str, ...], flows: int, heartbeat: float, measure: bool,
-                        cost_json: str | None, plot_path: str | None, as_json: bool) -> None:
-    """Control messages, bytes and CPU per agent from 16 to 4,096 hosts, full broadcast vs
-    scoped dissemination, at the published per-GPU load."""
+                        cost_json: str | None, arbiter_cost_json: str | None, plot_path: str | None,
+                        as_json: bool) -> None:
+    """Control messages, bytes and CPU per agent from 16 to 4,096 hosts: full broadcast,
+    scoped dissemination and one arbiter, at the published per-GPU load."""
     from ark.cli.control_plane import run_bench
 
-    res = run_bench(hosts_csv, placements, flows, heartbeat, measure, cost_json, plot_path)
+    res = run_bench(hosts_csv, placements, flows, heartbeat, measure, cost_json, plot_path, arbiter_cost_json)
     if as_json:
         click.echo(json.dumps(res, indent=1))
         return

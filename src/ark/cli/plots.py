@@ -137,14 +137,14 @@ def polarisation(rows: Sequence[dict[str, Any]], out: Path) -> Path:
 
 def control_plane(rows: Sequence[dict[str, Any]], out: Path) -> Path:
     """Per-agent control-plane CPU (busiest agent) and received messages against cluster
-    size, one line per placement and dissemination."""
+    size, one line per placement and dissemination (arbiter mode: replies received)."""
     fig, axes = plt.subplots(1, 2, figsize=(10.4, 3.8))
     series = sorted({(r["placement"], r["mode"]) for r in rows})
     for placement, mode in series:
         pts = sorted((r["hosts"], r["cpu_percent_max"], r["received_per_s_max"]) for r in rows
                      if (r["placement"], r["mode"]) == (placement, mode))
-        style = dict(linestyle="-" if mode == "scoped" else "--", marker="s" if mode == "scoped" else "o",
-                     label=f"{placement}, {mode}")
+        linestyle, marker = {"scoped": ("-", "s"), "arbiter": (":", "^")}.get(mode, ("--", "o"))
+        style = dict(linestyle=linestyle, marker=marker, label=f"{placement}, {mode}")
         axes[0].plot([p[0] for p in pts], [p[1] for p in pts], **style)
         axes[1].plot([p[0] for p in pts], [max(p[2], 0.1) for p in pts], **style)
     axes[0].axhline(5.0, color="#7f7f7f", linewidth=0.8, linestyle=":")
@@ -155,7 +155,7 @@ def control_plane(rows: Sequence[dict[str, Any]], out: Path) -> Path:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(frameon=False, fontsize=8)
-    fig.suptitle("reservation control plane: full broadcast vs scoped dissemination")
+    fig.suptitle("reservation control plane: full broadcast, scoped dissemination, arbiter")
     fig.tight_layout()
     fig.savefig(out, dpi=150)
     plt.close(fig)

@@ -97,6 +97,7 @@ from ark.core.table import (
     Routes,
     backlog,
     deadline_after,
+    least_backlogged,
 )
 
 __all__ = [
@@ -886,20 +887,4 @@ class ArkCore:
                 buckets.give(p)
 
     def _balance_choice(self, stages: tuple[tuple[int, ...], ...], n: int, now: float, usable: int = -1) -> int:
-        best, best_cost = 0, float("inf")
-        seen: dict[int, float] = {}  # a link lies on many paths: its backlog once per decision
-        for k in range(n):
-            if not usable >> k & 1:
-                continue
-            cost = 0.0
-            for st in stages:
-                lk = st[k]
-                b = seen.get(lk)
-                if b is None:
-                    b = seen[lk] = self._view_backlog(lk, now)
-                cost = max(cost, b)
-                if cost >= best_cost:
-                    break  # this path cannot win any more
-            if cost < best_cost:
-                best, best_cost = k, cost
-        return best
+        return least_backlogged(stages, n, lambda lk: self._view_backlog(lk, now), usable)

@@ -1020,3 +1020,27 @@ def backlog(msgs: Sequence[Reserve], now: float) -> float:
         left = max(0.0, left - rate * (m.ts - t_prev)) + m.nbytes
         t_prev = m.ts
     return max(0.0, left - ordered[-1].rate_bps / 8.0 * (now - t_prev))
+
+
+def least_backlogged(stages: tuple[tuple[int, ...], ...], n: int, backlog_of: Callable[[int], float],
+                     usable: int = -1) -> int:
+    """The usable path whose busiest link has the least reserved backlog (tie: lowest
+    index): where ``ark-balance`` and ``ark-split`` put a flow that finds no path free.
+    ``backlog_of(link)``: bytes still to send on a link (the table's, or a host's view)."""
+    best, best_cost = 0, float("inf")
+    seen: dict[int, float] = {}  # a link lies on many paths: its backlog once per decision
+    for k in range(n):
+        if not usable >> k & 1:
+            continue
+        cost = 0.0
+        for st in stages:
+            lk = st[k]
+            b = seen.get(lk)
+            if b is None:
+                b = seen[lk] = backlog_of(lk)
+            cost = max(cost, b)
+            if cost >= best_cost:
+                break  # this path cannot win any more
+        if cost < best_cost:
+            best, best_cost = k, cost
+    return best

@@ -1,0 +1,225 @@
+"""``ark arbiter``: one arbiter process, moving the bytes of an :class:`ark.core.arbiter.Arbiter`.
+
+Sockets (ZeroMQ, CURVE on every link, as the agents'):
+
+* inbound: one ROUTER (CURVE server) on the arbiter's ``control``. A ZAP handler admits
+  only the keys of the cluster file's hosts and arbiters, and stamps every message with
+  its sender's key (``User-Id``): a host's request counts only as that host's, an
+  arbiter's message only as that arbiter's. The connection budget and the handshake
+  timeout are the agents' (:class:`ark.agent.sockets.ConnectionGuard`);
+* outbound: one DEALER per other arbiter (CURVE client pinned to its key): beats, the
+  table's changes, sync. Replies to hosts go back through the ROUTER.
+
+Requests are taken in batches: every message waiting is handled (at most ``BATCH`` per
+wakeup), each answered as soon as it is decided, then the batch's table changes go to the
+followers in one message. Time is the wall clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from ark.agent.cluster import ArbiterEntry, Cluster, read_secret_key
+from ark.agent.daemon import _ev, _frames, _Keys, _listed_ips, readable, setup_logging
+from ark.agent.sockets import (
+    HANDSHAKE_IVL_MS,
+    AgentError,
+    ConnectionGuard,
+    bind,
+    check_resolvable,
+    raise_fd_limit,
+)
+from ark.core.arbiter import Arbiter, ArbiterLimits, ArbiterOut
+from ark.core.arbiter_wire import MAX_ARBITER_MESSAGE_BYTES
+
+log = logging.getLogger("ark.arbiter")
+BATCH = 4096  # messages handled per wakeup at most (then timers and followers get their turn)
+
+
+class ArbiterProcess:
+    def __init__(self, cluster: Cluster, name: str, secret_key_file: str | None = None) -> None:
+        self.cluster = cluster
+        self.me: ArbiterEntry = cluster.arbiter(name)
+        keyfile = secret_key_file or self.me.secret_key_file
+        if keyfile is None:
+            raise AgentError(f"secret_key_file: not set for arbiter {name}; give --secret-key or set secret_key_file "
+                             f"in its [[arbiters]] table")
+        pub, self.secret = read_secret_key(keyfile)
+        if pub.decode() != self.me.public_key:
+            raise AgentError(f"secret_key_file: {keyfile} does not match arbiter {name}'s public_key in the cluster "
+                             f"file; expected the secret key of that public key (ark keygen wrote both)")
+        self.public = pub
+        for a in cluster.arbiters:
+            check_resolvable(a.control, f"arbiters[{a.rank}].control")
+        c = cluster
+        limits = ArbiterLimits(max_flows_per_host=c.max_flows_per_host, rate_per_host=c.arbiter_rate_per_host,
+                               burst_per_host=c.arbiter_burst_per_host)
+        self.core = Arbiter(c.fabric, rank=self.me.rank, arbiters=len(c.arbiters), policy=c.policy, lease=c.lease(),
+                            limits=limits, heartbeat_s=c.takeover_s / 5, takeover_s=c.takeover_s,
+                            retention_s=c.retention_s)
+        self._sender: dict[bytes, tuple[int, int]] = {h.public_key.encode(): (h.index, -1) for h in c.hosts}
+        self._sender.update({a.public_key.encode(): (-1, a.rank) for a in c.arbiters})
+        self._stop = False
+        self.errors = 0
+        self.unsent = 0
+        self._role = ""
+
+    # ------------------------------------------------------------------ sockets
+    def _open(self) -> None:
+        fds = raise_fd_limit()
+        ctx = self.ctx = zmq.Context()
+        self.auth = ThreadAuthenticator(ctx)
+        self.auth.start()
+        keys = [h.public_key for h in self.cluster.hosts] + [a.public_key for a in self.cluster.arbiters]
+        self.auth.configure_curve_callback(domain="*", credentials_provider=_Keys(keys))
+        inbox = self.inbox = ctx.socket(zmq.ROUTER)
+        inbox.curve_secretkey, inbox.curve_publickey, inbox.curve_server = self.secret, self.public, True
+        for opt, val in ((zmq.RCVHWM, 16384), (zmq.SNDHWM, 16384), (zmq.LINGER, 0),
+                         (zmq.MAXMSGSIZE, MAX_ARBITER_MESSAGE_BYTES + 1024), (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS),
+                         (zmq.ROUTER_MANDATORY, 0)):
+            inbox.setsockopt(opt, val)
+        budget = min(self.cluster.connections(len(self.cluster.hosts) + len(self.cluster.arbiters)), max(16, fds - 256))
+        ips = _listed_ips(self.cluster) | _arbiter_ips(self.cluster)
+        self.guard = ConnectionGuard(inbox, budget, ips)
+        bind(inbox, self.me.control, "control")
+        self.out: dict[int, zmq.Socket] = {}
+        for a in self.cluster.arbiters:
+            if a.rank == self.me.rank:
+                continue
+            d = ctx.socket(zmq.DEALER)
+            d.curve_secretkey, d.curve_publickey, d.curve_serverkey = self.secret, self.public, a.public_key.encode()
+            for opt, val in ((zmq.SNDHWM, 100_000), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_ARBITER_MESSAGE_BYTES + 1024)):
+                d.setsockopt(opt, val)
+            d.connect(a.control)
+            self.out[a.rank] = d
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.poller.register(self.guard.monitor, zmq.POLLIN)
+
+    def _close(self) -> None:
+        if hasattr(self, "guard"):
+            self.guard.close()
+        for s in [getattr(self, "inbox", None), *getattr(self, "out", {}).values()]:
+            if s is not None:
+                s.close(0)
+        if hasattr(self, "auth"):
+            self.auth.stop()
+        if hasattr(self, "ctx"):
+            self.ctx.destroy(0)
+
+    # ------------------------------------------------------------------ loop
+    def stop(self, *_: Any) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        try:
+            self._open()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._close()
+            raise
+        signal.signal(signal.SIGTERM, self.stop)
+        signal.signal(signal.SIGINT, self.stop)
+        log.info(**_ev("arbiter_started", name=self.me.name, rank=self.me.rank, arbiters=len(self.cluster.arbiters),
+                       control=self.me.control, policy=self.cluster.policy))
+        self.send(self.core.start(time.time()))
+        try:
+            while not self._stop:
+                now = time.time()
+                timeout = min(1.0, max(0.0, self.core.next_deadline() - now))
+                events = dict(self.poller.poll(max(0, math.ceil(timeout * 1000))))
+                if self.guard.monitor in events:
+                    self.guard.drain()
+                if self.inbox in events:
+                    self._drain()
+                now = time.time()
+                if now >= self.core.next_deadline():
+                    self.send(self.core.tick(now))
+                self._log_role()
+        finally:
+            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status()))
+            self._close()
+
+    def _drain(self) -> None:
+        """A batch: every waiting message answered as decided, then the changes sent once."""
+        sock, core = self.inbox, self.core
+        n = 0
+        while n < BATCH and readable(sock):
+            frames = _frames(sock)
+            n += 1
+            if len(frames) != 2:
+                core.counters.invalid += 1
+                continue
+            user = frames[1].get("User-Id")
+            host, rank = self._sender.get(user.encode() if isinstance(user, str) else b"", (-1, -1))
+            now = time.time()
+            try:
+                if host >= 0:
+                    self._reply(frames[0], core.on_host(host, frames[1].bytes, now))
+                elif rank >= 0:
+                    self.send(core.on_arbiter(rank, frames[1].bytes, now))
+                else:
+                    core.counters.invalid += 1
+            except Exception:  # a message that breaks a handler is dropped, never fatal
+                self._error()
+        self.send(core.flush())
+
+    def _reply(self, ident: zmq.Frame, outs: list[ArbiterOut]) -> None:
+        for o in outs:
+            if o.host >= 0:
+                try:
+                    self.inbox.send_multipart([ident, o.data], zmq.NOBLOCK)
+                except zmq.Again:
+                    self.unsent += 1
+            else:
+                self.send([o])
+
+    def send(self, outs: list[ArbiterOut]) -> None:
+        """Messages for the other arbiters (replies to hosts go through :meth:`_reply`)."""
+        for o in outs:
+            sock = self.out.get(o.arbiter)
+            if sock is None:
+                continue
+            try:
+                sock.send(o.data, zmq.NOBLOCK)
+            except zmq.Again:  # the other arbiter is away: it fetches the whole table when back
+                self.unsent += 1
+
+    def _error(self) -> None:
+        self.errors += 1
+        if self.errors <= 20 or self.errors % 1000 == 0:
+            log.exception(**_ev("handler_error", name=self.me.name, count=self.errors))
+
+    def _log_role(self) -> None:
+        role = f"{self.core.role}/{self.core.epoch}"
+        if role != self._role:
+            self._role = role
+            log.info(**_ev("arbiter_role", name=self.me.name, role=self.core.role, epoch=self.core.epoch,
+                           seen_epoch=self.core.seen_epoch, synced=self.core.synced))
+
+
+def _arbiter_ips(cluster: Cluster) -> set[str]:
+    import socket
+
+    ips: set[str] = set()
+    for a in cluster.arbiters:
+        if a.control.startswith("tcp://"):
+            host = a.control[len("tcp://"):].rpartition(":")[0].strip("[]")
+            with contextlib.suppress(OSError):
+                ips.update(str(x[4][0]) for x in socket.getaddrinfo(host, None))
+    return ips
+
+
+def run_arbiter(cluster: Cluster, name: str, secret_key_file: str | None = None, log_level: str = "info") -> None:
+    setup_logging(log_level)
+    if not cluster.arbiters:
+        raise AgentError("arbiters: the cluster file lists no [[arbiters]]; add one per arbiter process")
+    ArbiterProcess(cluster, name, secret_key_file).run()

@@ -1,0 +1,553 @@
+"""The arbiter: one process that decides for every host, with the replicas' own table.
+
+The replicated table is a deterministic function of the set of reservations, so one
+process holding it can decide for everyone: a host sends one request and gets one answer
+per decision, plus one release, instead of hearing every reservation of the cluster. This
+is the sans-IO state machine (``now`` passed in, bytes in and out); ``ark arbiter``
+(:mod:`ark.agent.arbiter`) moves its bytes, and agents talk to it through
+:class:`ark.core.arbiter_host.ArbiterLink`.
+
+Decisions
+---------
+Every decision is an ordinary RESERVE of the asking host in one
+:class:`~ark.core.table.ReservationTable`, chosen by the same rules as a host's own
+:class:`~ark.core.protocol.ArkCore` (lowest free path; none free: plain ECMP under ``ark``,
+the least-backlogged path, shared, under ``ark-balance`` and ``ark-split``; the parts of
+one transfer avoid each other's paths while others remain). The arbiter stamps its
+decisions with strictly increasing times, so each insert takes the table's in-order path
+and no later decision can move an earlier one: one decider, no races. Leases expire here
+as on replicas; renewals and releases name flows the arbiter handed out, and only their
+owner (the authenticated sender) may name them.
+
+Two arbiters, epochs and takeover
+---------------------------------
+Arbiters are ranked (the cluster file's order). Each one's epoch is
+``generation x arbiters + rank``, so two arbiters never lead with the same epoch, and a
+new leader always takes a generation above every epoch it has seen. The leader sends
+every table message it applies to the follower (:class:`~ark.core.arbiter_wire.Changes`)
+and a :class:`~ark.core.arbiter_wire.Beat` every ``heartbeat_s``; a follower that missed
+any asks for the whole table again. A follower that hears no leader for ``takeover_s``
+leads with a new epoch, on the table it holds (rank r waits two beats more per rank,
+so that at a cold start the first rank leads). An arbiter that learns of a higher epoch
+than its own (a host's message, the other arbiter's beat) stops leading and follows.
+Transitions (``_LEADING``/``_FOLLOWING``) all go through :meth:`Arbiter._become`.
+
+Every flow id carries the epoch that granted it (``seq = epoch << 32 | n``). A new leader
+takes renewals only of flows its table holds: those it followed, and those a host
+registers again (:class:`~ark.core.arbiter_wire.Register`), each judged like a new request
+that prefers its old path. What an old leader granted and nobody registered ends with its
+lease.
+
+Bounds (what one listed host can make the arbiter keep or do): live flows per host
+(beyond: plain ECMP with the reason), a token bucket of requests per host (beyond: ECMP),
+16 parts per lease, 64 flows per message, the last 64 answers per host kept for retries
+(a repeated request id gets the same answer and changes nothing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ark.core import arbiter_wire as w
+from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, decode, encode
+from ark.core.table import (
+    INF,
+    SHARING_POLICIES,
+    CoreError,
+    CoreLimits,
+    Counters,
+    ReservationTable,
+    Routes,
+    least_backlogged,
+)
+
+LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seconds
+
+SAME_LEAF = "same leaf"
+NO_FREE_PATH = "no free path"
+RATE_LIMITED = "rate limited"
+ANSWERS_KEPT = 64  # per host: answers a retried request id gets again
+SEQ_SHIFT = 32
+
+
+class ArbiterOut(NamedTuple):
+    """Bytes for a host (``host`` >= 0) or for another arbiter (``arbiter`` >= 0)."""
+
+    host: int
+    arbiter: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ArbiterLimits:
+    """What one listed host can make the arbiter keep or do."""
+
+    max_flows_per_host: int = 4096  # live reservations; beyond: plain ECMP
+    rate_per_host: float = 2000.0  # requests per second (token bucket); beyond: plain ECMP
+    burst_per_host: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_flows_per_host <= 1 << 20:
+            raise CoreError(f"max_flows_per_host: must be 1..{1 << 20}; got {self.max_flows_per_host}")
+        if not (math.isfinite(self.rate_per_host) and self.rate_per_host > 0):
+            raise CoreError(f"rate_per_host: must be a finite number > 0; got {self.rate_per_host}")
+        if not 1 <= self.burst_per_host <= 1 << 20:
+            raise CoreError(f"burst_per_host: must be 1..{1 << 20}; got {self.burst_per_host}")
+
+
+@dataclass
+class ArbiterCounters:
+    asks: int = 0
+    granted: int = 0  # parts reserved
+    ecmp: int = 0  # parts answered with plain ECMP (no free path, caps, rate)
+    capped: int = 0
+    rate_limited: int = 0
+    renewed: int = 0
+    released: int = 0
+    registered: int = 0
+    foreign: int = 0  # a flow named by a host that does not own it
+    unknown: int = 0  # renew or release of a flow not held here
+    invalid: int = 0  # undecodable or out-of-range messages
+    refused: int = 0  # asked while not leading
+    newer_epoch_seen: int = 0  # requests from hosts that have heard a newer leader
+    gaps: int = 0  # changes missed by a follower (it asks for the whole table again)
+    retries: int = 0  # repeated request ids answered from the kept answers
+    takeovers: int = 0
+    stepped_down: int = 0
+    syncs: int = 0
+    changes_applied: int = 0
+
+
+@dataclass
+class _Host:
+    tokens: float
+    at: float
+    live: set[FlowId] = field(default_factory=set)
+    answers: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
+
+
+_LEADING, _FOLLOWING = "leading", "following"
+
+
+class Arbiter:
+    """One arbiter: ``rank`` of ``arbiters``; it leads at once when it is the only one."""
+
+    def __init__(
+        self, routes: Routes, *, rank: int = 0, arbiters: int = 1, policy: str = "ark", lease: LeaseFn | None = None,
+        limits: ArbiterLimits | None = None, heartbeat_s: float = 0.25, takeover_s: float = 1.0,
+        retention_s: float = 5.0, expiry_grace_s: float = 0.25, generation: int = 0,
+    ) -> None:
+        if not 1 <= arbiters <= 16 or not 0 <= rank < arbiters:
+            raise CoreError(f"rank: must be 0..{arbiters - 1} of 1..16 arbiters; got {rank} of {arbiters}")
+        if not 0 < heartbeat_s < takeover_s:
+            raise CoreError(f"takeover_s: must be > heartbeat_s ({heartbeat_s}) > 0; got {takeover_s}")
+        self.routes, self.rank, self.arbiters, self.policy = routes, rank, arbiters, policy
+        self.limits = limits or ArbiterLimits()
+        self.heartbeat_s, self.takeover_s = heartbeat_s, takeover_s
+        self.counters = ArbiterCounters()
+        self.table_counters = Counters()
+        self._lease = lease
+        self._retention, self._grace = retention_s, expiry_grace_s
+        self.table = self._new_table()
+        self.epoch = generation * arbiters + rank
+        self.seen_epoch = self.epoch
+        self.role = _FOLLOWING
+        self.synced = arbiters == 1  # holds the leader's whole table (or is the only arbiter)
+        self._n = 0  # flows granted in this epoch
+        self._last_ts = -INF
+        self._hosts: dict[int, _Host] = {}
+        self._leader_heard = -INF
+        self._started: float | None = None
+        self._next_beat = -INF
+        self._syncing = False
+        self._rates: dict[tuple[int, int, int], float] = {}
+        self._following = -1  # the epoch whose table this follower holds or is fetching
+        self._sent = 0  # table messages sent to followers in this epoch
+        self._applied = 0  # table messages applied from the leader's stream in its epoch
+        self._changes: list[Message] = []  # applied here, not yet sent to followers (flush)
+
+    def _new_table(self) -> ReservationTable:
+        lim = CoreLimits(max_flows_per_host=self.limits.max_flows_per_host)
+        return ReservationTable(self.routes, policy=self.policy, retention_s=self._retention,
+                                expiry_grace_s=self._grace, counters=self.table_counters, limits=lim)
+
+    @property
+    def leading(self) -> bool:
+        return self.role == _LEADING
+
+    # ------------------------------------------------------------------ time
+    def start(self, now: float) -> list[ArbiterOut]:
+        self._started = now
+        if self.arbiters == 1:
+            self._become(_LEADING, now)
+        return self.tick(now)
+
+    def tick(self, now: float) -> list[ArbiterOut]:
+        """Expire leases; beat; take over from a silent leader."""
+        for f in self.table.tick(now):
+            self._hosts.get(f[0], _NOHOST).live.discard(f)
+        out: list[ArbiterOut] = []
+        if not self.leading and self.arbiters > 1 and self._started is not None and now >= self._takeover_at():
+            self._become(_LEADING, now)
+        if now >= self._next_beat:
+            self._next_beat = now + self.heartbeat_s
+            out += self._to_arbiters(w.Beat(self.epoch, self.leading, self.synced))
+        return out
+
+    def next_deadline(self) -> float:
+        t = min(self._next_beat, self.table.next_deadline())
+        if not self.leading and self.arbiters > 1 and self._started is not None:
+            t = min(t, self._takeover_at())
+        return t
+
+    def _takeover_at(self) -> float:
+        """When a follower leads if it hears no leader: ``takeover_s`` of silence, plus two
+        beats per rank, so that at a cold start the first rank leads and the others hear it."""
+        assert self._started is not None
+        return max(self._leader_heard, self._started) + self.takeover_s + 2 * self.rank * self.heartbeat_s
+
+    def _become(self, role: str, now: float, epoch: int | None = None) -> None:
+        """Every change of role: leading takes a generation above every epoch seen."""
+        if role == _LEADING and not self.leading:
+            generation = self.seen_epoch // self.arbiters + 1
+            self.epoch = self.seen_epoch = generation * self.arbiters + self.rank
+            if self.epoch >= 1 << 30:
+                raise CoreError("epoch: exhausted (2**30 epochs); start the arbiters with generation 0")
+            self._n, self._sent, self._changes = 0, 0, []
+            self._recount(now)
+            self.counters.takeovers += self.arbiters > 1
+            self._next_beat = now  # tell the others at once
+        elif role == _FOLLOWING and self.leading:
+            self.counters.stepped_down += 1
+            self.synced = False
+        if epoch is not None:
+            self.seen_epoch = max(self.seen_epoch, epoch)
+        self.role = role
+
+    # ------------------------------------------------------------------ hosts
+    def on_host(self, host: int, data: bytes, now: float) -> list[ArbiterOut]:
+        """One message from ``host`` (the transport authenticated it)."""
+        if not 0 <= host < self.routes.n_hosts:
+            self.counters.invalid += 1
+            return []
+        try:
+            msg = w.decode_from_host(data)
+        except w.ArbiterWireError:
+            self.counters.invalid += 1
+            return []
+        if msg.epoch > self.epoch:
+            # The host has heard a newer leader. Only an arbiter's beat makes this one step
+            # down (a host's word would let any listed host stop the arbiter); the host itself
+            # refuses answers of an epoch below the highest it has seen.
+            self.counters.newer_epoch_seen += 1
+        if not self.leading:
+            self.counters.refused += 1
+            leader = self.seen_epoch % self.arbiters if self.seen_epoch != self.epoch else -1
+            return [self._reply(host, w.Refused(msg.rid, self.seen_epoch, leader, "not leading"))]
+        st = self._host(host, now)
+        kept = st.answers.get(msg.rid)
+        if kept is not None:
+            self.counters.retries += 1
+            return [ArbiterOut(host, -1, kept)]
+        reply = self._answer(host, st, msg, now, self._changes)
+        data_out = w.encode(reply)
+        st.answers[msg.rid] = data_out
+        if len(st.answers) > ANSWERS_KEPT:
+            st.answers.popitem(last=False)
+        return [ArbiterOut(host, -1, data_out)]
+
+    def flush(self) -> list[ArbiterOut]:
+        """The table messages applied since the last flush, for the followers: a driver
+        calls this once per batch of requests (one message to each follower per batch)."""
+        changes, self._changes = self._changes, []
+        if not changes or self.arbiters == 1:
+            return []
+        out: list[ArbiterOut] = []
+        step = w.MAX_CHANGES_PER_MESSAGE
+        for i in range(0, len(changes), step):
+            chunk = [encode(m) for m in changes[i:i + step]]
+            out += self._to_arbiters(w.Changes(self.epoch, self._sent, chunk))
+            self._sent += len(chunk)
+        return out
+
+    def _answer(self, host: int, st: _Host, msg: w.FromHost, now: float, changes: list[Message]) -> w.ToHost:
+        if isinstance(msg, w.Ask):
+            return w.Grant(msg.rid, self.epoch, self._ask(host, st, msg, now, changes))
+        if isinstance(msg, w.Extend):
+            return w.Extended(msg.rid, self.epoch, [self._extend(host, f, now, changes) for f in msg.flows])
+        if isinstance(msg, w.Drop):
+            for f in msg.flows:
+                self._drop(host, f, now, changes)
+            return w.Dropped(msg.rid, self.epoch)
+        if isinstance(msg, w.Register):
+            return w.Grant(msg.rid, self.epoch, [self._register(host, st, h, now, changes) for h in msg.held])
+        return w.Pong(msg.rid, self.epoch)
+
+    def _host(self, host: int, now: float) -> _Host:
+        st = self._hosts.get(host)
+        if st is None:
+            st = self._hosts[host] = _Host(float(self.limits.burst_per_host), now)
+        return st
+
+    def _within_rate(self, st: _Host, now: float) -> bool:
+        lim = self.limits
+        st.tokens = min(float(lim.burst_per_host), st.tokens + max(0.0, now - st.at) * lim.rate_per_host)
+        st.at = max(st.at, now)
+        if st.tokens < 1:
+            return False
+        st.tokens -= 1
+        return True
+
+    def _ask(self, host: int, st: _Host, msg: w.Ask, now: float, changes: list[Message]) -> list[w.Part]:
+        self.counters.asks += 1
+        n_hosts = self.routes.n_hosts
+        if msg.dst >= n_hosts or msg.dst == host:
+            self.counters.invalid += 1
+            return []
+        why = "" if self._within_rate(st, now) else RATE_LIMITED
+        if why:
+            self.counters.rate_limited += 1
+        q, r = divmod(msg.nbytes, msg.parts)
+        parts: list[w.Part] = []
+        avoid = msg.avoid
+        for i in range(msg.parts):
+            part = self._decide(host, st, msg.dst, msg.dport, q + (i < r), now, avoid, why, changes)
+            parts.append(part)
+            if part.reserved:
+                avoid |= 1 << part.path
+        return parts
+
+    def _flow(self, host: int) -> FlowId:
+        self._n += 1
+        return (host, self.epoch << SEQ_SHIFT | self._n)
+
+    def _stamp(self, now: float) -> float:
+        """Strictly increasing decision times: every insert is in key order."""
+        ts = now if now > self._last_ts else math.nextafter(self._last_ts, INF)
+        self._last_ts = ts
+        return ts
+
+    def _decide(self, host: int, st: _Host, dst: int, dport: int, nbytes: int, now: float, avoid: int, why: str,
+                changes: list[Message], flow: FlowId | None = None, prefer: int = -1) -> w.Part:
+        flow = flow or self._flow(host)
+        stages = self.table.stage_list(host, dst)
+        if not stages:
+            return self._ecmp(flow, SAME_LEAF)
+        if not why:
+            why = self._capped(host, st)
+        if why:
+            return self._ecmp(flow, why)
+        n = len(stages[0])
+        every = (1 << n) - 1
+        usable = every & ~avoid or every
+        sids = self.table.pair_sids(host, dst)
+        path = self.table.lowest_free(sids, n, 1 << prefer) if 0 <= prefer < n else None
+        if path is None:
+            path = self.table.lowest_free(sids, n, usable)
+        shared = False
+        if path is None:
+            if self.policy not in SHARING_POLICIES:
+                return self._ecmp(flow, NO_FREE_PATH)
+            ts = now
+            path, shared = least_backlogged(stages, n, lambda lk: self.table.link_backlog(lk, ts), usable), True
+        return self._reserve(flow, dst, dport, path, nbytes, shared, now, st, changes)
+
+    def _capped(self, host: int, st: _Host) -> str:
+        """Why ``host`` may reserve no more now ("" when it may): its live reservations, and
+        what a follower retains of it (ended ones until forgotten), as on replicas."""
+        lim = self.table.limits
+        why = ""
+        if len(st.live) >= lim.max_flows_per_host:
+            why = f"cap: {lim.max_flows_per_host} live reservations"
+        elif self.table.owner_count(host) >= lim.owner_retained:
+            why = f"cap: {lim.owner_retained} reservations retained"
+        self.counters.capped += bool(why)
+        return why
+
+    def _ecmp(self, flow: FlowId, why: str) -> w.Part:
+        self.counters.ecmp += 1
+        return w.Part(flow, 0, False, False, 0.0, why)
+
+    def _reserve(self, flow: FlowId, dst: int, dport: int, path: int, nbytes: int, shared: bool, now: float,
+                 st: _Host, changes: list[Message]) -> w.Part:
+        host = flow[0]
+        rate = self._rates.get((host, dst, path))
+        if rate is None:
+            rate = self._rates[(host, dst, path)] = float(self.routes.path_rate_bps(host, dst, path))
+        ts = self._stamp(now)
+        lease_s = self._lease(nbytes, rate) if self._lease else INF
+        msg = Reserve(flow, ts, host, dst, dport, path, 0, nbytes, rate, shared, ts + lease_s)
+        self.table.insert(msg)
+        changes.append(msg)
+        st.live.add(flow)
+        self.counters.granted += 1
+        return w.Part(flow, path, True, shared, min(lease_s, 86400.0))
+
+    def _owned(self, host: int, flow: tuple[int, int]) -> bool:
+        if flow[0] != host:
+            self.counters.foreign += 1
+            return False
+        return True
+
+    def _extend(self, host: int, flow: tuple[int, int], now: float, changes: list[Message]) -> float:
+        if not self._owned(host, flow):
+            return -1.0
+        e = self.table.get(flow)
+        if e is None or e.released is not None or e.end <= now or e.path is None:
+            self.counters.unknown += 1
+            return -1.0
+        if self._lease is None:
+            return 86400.0
+        ts = self._stamp(now)
+        expires = ts + self._lease(e.msg.nbytes, e.msg.rate_bps)
+        if expires > e.expires:
+            msg = Renew(flow, ts, expires)
+            self.table.apply_renew(e, msg)
+            changes.append(msg)
+        self.counters.renewed += 1
+        return min(e.expires - now, 86400.0)
+
+    def _drop(self, host: int, flow: tuple[int, int], now: float, changes: list[Message]) -> None:
+        if not self._owned(host, flow):
+            return
+        e = self.table.get(flow)
+        if e is None or e.released is not None:
+            self.counters.unknown += 1
+            return
+        msg = Release(flow, self._stamp(max(now, e.msg.ts)))
+        self.table.apply_release(msg)
+        self._hosts.get(host, _NOHOST).live.discard(flow)
+        changes.append(msg)
+        self.counters.released += 1
+
+    def _register(self, host: int, st: _Host, held: w.Held, now: float, changes: list[Message]) -> w.Part:
+        """A lease the host holds from an earlier leader: kept if this table holds it,
+        else judged as a new request that prefers its old path (its id is kept)."""
+        self.counters.registered += 1
+        flow = held.flow
+        if not self._owned(host, flow) or held.dst >= self.routes.n_hosts or held.dst == host:
+            self.counters.invalid += 1
+            return w.Part(flow, 0, False, False, 0.0, "refused")
+        e = self.table.get(flow)
+        if e is not None and e.released is None and e.end > now and e.path is not None:
+            st.live.add(flow)
+            return w.Part(flow, e.path, True, e.shared, min(e.end - now, 86400.0))
+        if e is not None or flow[1] >> SEQ_SHIFT >= self.epoch:
+            # Ended here, or an id of this epoch or a later one that this table never held: not a real lease.
+            self.counters.unknown += 1
+            return w.Part(flow, 0, False, False, 0.0, "unknown")
+        why = "" if self._within_rate(st, now) else RATE_LIMITED
+        return self._decide(host, st, held.dst, held.dport, held.nbytes, now, 0, why, changes, flow=flow,
+                            prefer=held.path)
+
+    def _reply(self, host: int, msg: w.ToHost) -> ArbiterOut:
+        return ArbiterOut(host, -1, w.encode(msg))
+
+    # ------------------------------------------------------------------ arbiters
+    def _to_arbiters(self, msg: w.Between) -> list[ArbiterOut]:
+        data = w.encode(msg)
+        return [ArbiterOut(-1, r, data) for r in range(self.arbiters) if r != self.rank]
+
+    def on_arbiter(self, rank: int, data: bytes, now: float) -> list[ArbiterOut]:
+        """One message from arbiter ``rank`` (the transport authenticated it)."""
+        if not 0 <= rank < self.arbiters or rank == self.rank:
+            self.counters.invalid += 1
+            return []
+        try:
+            msg = w.decode_between(data)
+        except w.ArbiterWireError:
+            self.counters.invalid += 1
+            return []
+        if msg.epoch % self.arbiters != rank:  # an epoch is its leader's: rank r leads only epochs = r mod n
+            self.counters.invalid += 1
+            return []
+        if isinstance(msg, w.SyncAsk):
+            return self._sync_reply(rank) if self.leading else []
+        leader = isinstance(msg, w.Changes | w.SyncPart) or (isinstance(msg, w.Beat) and msg.leading)
+        if not leader:
+            return []
+        if msg.epoch < self.seen_epoch or (msg.epoch == self.epoch and self.leading):
+            return []  # an old leader (it steps down when it hears our beat)
+        if self.leading:
+            self._become(_FOLLOWING, now, msg.epoch)
+        self.seen_epoch = msg.epoch
+        self._leader_heard = now
+        if isinstance(msg, w.SyncPart):
+            self._apply_sync(msg)
+            return []
+        if isinstance(msg, w.Changes):
+            if self.synced and msg.epoch == self._following and msg.at == self._applied:
+                self._apply(msg.msgs)
+                self._applied += len(msg.msgs)
+                return []
+            if self.synced:  # a gap in the stream (a reconnect lost some): fetch the whole table
+                self.counters.gaps += 1
+                self.synced = False
+            return self._ask_sync(rank, msg.epoch)
+        if not self.synced or msg.epoch != self._following:
+            return self._ask_sync(rank, msg.epoch)
+        return []
+
+    def _ask_sync(self, rank: int, epoch: int) -> list[ArbiterOut]:
+        if self._syncing and epoch == self._following:
+            return []  # asked already
+        self._syncing, self._following, self.synced = True, epoch, False
+        return self._to_rank(rank, w.SyncAsk(self.epoch))
+
+    def _to_rank(self, rank: int, msg: w.Between) -> list[ArbiterOut]:
+        return [ArbiterOut(-1, rank, w.encode(msg))]
+
+    def _sync_reply(self, rank: int) -> list[ArbiterOut]:
+        self.counters.syncs += 1
+        msgs = [encode(m) for m in self.table.snapshot()]
+        step = w.MAX_CHANGES_PER_MESSAGE
+        chunks = [msgs[i:i + step] for i in range(0, len(msgs), step)] or [[]]
+        # The stream's position travels with the snapshot: the follower takes Changes from there.
+        return [ArbiterOut(-1, rank, w.encode(w.SyncPart(self.epoch, i == 0, i == len(chunks) - 1, self._sent, c)))
+                for i, c in enumerate(chunks)]
+
+    def _apply_sync(self, msg: w.SyncPart) -> None:
+        if msg.first:
+            self.table = self._new_table()
+            self._hosts = {}
+            self._syncing = True
+        if not self._syncing:
+            return
+        self._apply(msg.msgs)
+        if msg.last:
+            self._syncing, self.synced, self._applied = False, True, msg.at
+
+    def _apply(self, msgs: list[bytes]) -> None:
+        for raw in msgs:
+            try:
+                m = decode(raw)
+            except ProtocolError:
+                self.counters.invalid += 1
+                continue
+            self.table.receive(m)
+            self.counters.changes_applied += 1
+            if isinstance(m, Reserve):
+                self._last_ts = max(self._last_ts, m.ts)
+        self.table.settle()
+        self.table.take_changed()
+
+    def _recount(self, now: float) -> None:
+        """Live flows per host, from the table: a follower's caps when it takes over."""
+        for st in self._hosts.values():
+            st.live = set()
+        for f in self.table.entries():
+            e = self.table.get(f)
+            if e is not None and e.released is None and e.end > now:
+                self._host(f[0], now).live.add(f)
+
+    # ------------------------------------------------------------------ views
+    def status(self) -> dict[str, object]:
+        return {"rank": self.rank, "epoch": self.epoch, "seen_epoch": self.seen_epoch, "role": self.role,
+                "synced": self.synced, "flows": len(self.table.table()), "counters": dict(self.counters.__dict__)}
+
+
+_NOHOST = _Host(0.0, 0.0)

@@ -1,0 +1,113 @@
+"""Real ``ark arbiter`` processes on loopback: CURVE, grants, a killed primary, strangers."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import zmq
+
+from ark.agent.cluster import load as load_cluster
+from ark.agent.cluster import read_secret_key
+from ark.agent.loopback import AgentProcs, write_cluster
+from ark.core import arbiter_wire as w
+
+
+class _Host:
+    """One listed host's DEALERs to every arbiter, with its own CURVE key."""
+
+    def __init__(self, cluster_file: Path, name: str) -> None:
+        cl = load_cluster(cluster_file)
+        h = cl.host(name)
+        self.index = h.index
+        pub, sec = read_secret_key(str(h.secret_key_file))
+        self.ctx = zmq.Context()
+        self.socks = []
+        for a in cl.arbiters:
+            s = self.ctx.socket(zmq.DEALER)
+            s.curve_publickey, s.curve_secretkey, s.curve_serverkey = pub, sec, a.public_key.encode()
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(a.control)
+            self.socks.append(s)
+
+    def call(self, rank: int, msg: w.FromHost, timeout_s: float = 2.0) -> w.ToHost | None:
+        s = self.socks[rank]
+        s.send(w.encode(msg))
+        if not s.poll(int(timeout_s * 1000)):
+            return None
+        return w.decode_to_host(s.recv())
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+
+
+def _until(fn, timeout_s: float):  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.05)
+    return fn()
+
+
+def test_a_killed_primary_is_replaced_by_the_standby_which_keeps_its_grants(tmp_path: Path) -> None:
+    cf, names = write_cluster(tmp_path, 4, arbiters=2, takeover_s=0.5, lease_min_s=4.0)
+    procs = AgentProcs(cf, [], tmp_path)
+    procs.start("arb0")
+    procs.start("arb1")
+    host = _Host(cf, names[0])  # names alternate leaves: names[1] is on the other leaf
+    dst = load_cluster(cf).host(names[1]).index
+    try:
+        def primary_grants() -> w.ToHost | None:  # at a cold start the first rank leads after takeover_s
+            r = host.call(0, w.Ask(1, 0, dst, 10**9, 4791), 0.5)
+            return r if isinstance(r, w.Grant) else None
+
+        grant = _until(primary_grants, 10.0)
+        assert isinstance(grant, w.Grant) and grant.parts[0].reserved, grant
+        epoch, flow = grant.epoch, grant.parts[0].flow
+        refused = host.call(1, w.Ask(2, epoch, dst, 10**9, 4791))
+        assert isinstance(refused, w.Refused) and refused.leader == 0
+        procs.kill("arb0")
+        t_kill = time.monotonic()
+
+        def standby_leads() -> w.ToHost | None:
+            r = host.call(1, w.Ping(3, epoch), 0.5)
+            return r if isinstance(r, w.Pong) else None
+
+        pong = _until(standby_leads, 10.0)
+        took = time.monotonic() - t_kill
+        assert isinstance(pong, w.Pong) and pong.epoch > epoch and pong.epoch % 2 == 1
+        assert took < 3.0, took  # takeover_s 0.5 plus two beats of the standby's rank
+        ext = host.call(1, w.Extend(4, pong.epoch, [flow]))
+        assert isinstance(ext, w.Extended) and ext.lease_s[0] > 0  # the standby followed the grant
+        nxt = host.call(1, w.Ask(5, pong.epoch, dst, 10**9, 4791))
+        assert isinstance(nxt, w.Grant) and nxt.parts[0].reserved and nxt.parts[0].path != grant.parts[0].path
+    finally:
+        host.close()
+        procs.stop_all()
+
+
+def test_a_stranger_gets_no_answer_and_the_arbiter_keeps_serving(tmp_path: Path) -> None:
+    cf, names = write_cluster(tmp_path, 2, arbiters=1)
+    procs = AgentProcs(cf, [], tmp_path)
+    procs.start("arb0")
+    arb = load_cluster(cf).arbiters[0]
+    ctx = zmq.Context()
+    try:
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.curve_publickey, stranger.curve_secretkey = zmq.curve_keypair()
+        stranger.curve_serverkey = arb.public_key.encode()
+        stranger.setsockopt(zmq.LINGER, 0)
+        stranger.connect(arb.control)
+        host = _Host(cf, names[0])
+        assert isinstance(_until(lambda: host.call(0, w.Ping(1, 0), 0.5), 10.0), w.Pong)
+        stranger.send(w.encode(w.Ask(1, 0, 1, 10**9, 4791)))
+        assert not stranger.poll(1000)
+        garbage = host.call(0, w.Ping(2, 0))  # a listed host sending junk then a ping: the ping is answered
+        host.socks[0].send(b"\x00junk")
+        assert isinstance(garbage, w.Pong) and isinstance(host.call(0, w.Ping(3, 0)), w.Pong)
+        host.close()
+    finally:
+        ctx.destroy(0)
+        procs.stop_all()

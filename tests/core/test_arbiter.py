@@ -1,0 +1,248 @@
+"""The arbiter's sans-IO core: decisions, leases, caps, retries, epochs and takeover."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from ark.core import arbiter_wire as w
+from ark.core.arbiter import SEQ_SHIFT, Arbiter, ArbiterLimits, ArbiterOut
+from ark.core.lease import LeasePolicy
+from ark.core.table import CoreError
+from ark.core.topology import preset
+
+PAPER = preset("paper")  # 2 leaves of 8 GPUs, 4 spines: hosts 0-7 on leaf 0, 8-15 on leaf 1
+LEASE = LeasePolicy(1.0, 2.0, 60.0)
+
+
+def _arbiter(policy: str = "ark", **kw: object) -> Arbiter:
+    a = Arbiter(PAPER, policy=policy, lease=LEASE, **kw)  # type: ignore[arg-type]
+    a.start(0.0)
+    return a
+
+
+def _ask(a: Arbiter, host: int, rid: int, dst: int = 8, nbytes: int = 10**8, now: float = 0.0, parts: int = 1,
+         epoch: int = 0) -> w.Grant:
+    out = a.on_host(host, w.encode(w.Ask(rid, epoch, dst, nbytes, 4791, parts)), now)
+    replies = [o for o in out if o.host == host]
+    assert len(replies) == 1
+    reply = w.decode_to_host(replies[0].data)
+    assert isinstance(reply, w.Grant), reply
+    return reply
+
+
+def test_a_lone_arbiter_leads_and_grants_the_lowest_free_path_then_ecmp() -> None:
+    a = _arbiter()
+    assert a.leading
+    paths = [_ask(a, h, h).parts[0] for h in range(5)]  # five senders on leaf 0, four spines
+    assert [p.path for p in paths[:4]] == [0, 1, 2, 3] and all(p.reserved for p in paths[:4])
+    assert not paths[4].reserved and paths[4].why == "no free path"
+    assert all(p.flow[0] == h and p.flow[1] >> SEQ_SHIFT == a.epoch for h, p in enumerate(paths))
+    assert a.table.exclusive_conflicts() == []
+    same_leaf = _ask(a, 0, 99, dst=1).parts[0]
+    assert not same_leaf.reserved and same_leaf.why == "same leaf"
+
+
+def test_split_parts_take_distinct_paths_and_share_the_least_backlogged_when_full() -> None:
+    a = _arbiter("ark-split")
+    parts = _ask(a, 0, 1, nbytes=3 * 10**9, parts=3).parts
+    assert [p.path for p in parts] == [0, 1, 2] and not any(p.shared for p in parts)
+    more = _ask(a, 1, 2, nbytes=10**9, parts=2).parts
+    assert more[0].path == 3 and not more[0].shared
+    assert more[1].shared and more[1].reserved and more[1].path != 3
+
+
+def test_release_frees_the_path_and_only_the_owner_may_name_a_flow() -> None:
+    a = _arbiter()
+    p = _ask(a, 0, 1).parts[0]
+    a.on_host(3, w.encode(w.Drop(1, 0, [p.flow])), 0.1)  # another host names it: nothing happens
+    assert a.counters.foreign == 1 and _ask(a, 1, 2, now=0.2).parts[0].path == 1
+    out = a.on_host(0, w.encode(w.Drop(2, 0, [p.flow])), 0.3)
+    assert isinstance(w.decode_to_host(out[0].data), w.Dropped)
+    assert _ask(a, 2, 3, now=0.4).parts[0].path == 0
+
+
+def test_extend_renews_held_flows_and_answers_minus_one_for_the_others() -> None:
+    a = _arbiter()
+    p = _ask(a, 0, 1, nbytes=0).parts[0]
+    assert p.lease_s == pytest.approx(1.0)
+    reply = w.decode_to_host(a.on_host(0, w.encode(w.Extend(2, 0, [p.flow, (0, 12345)])), 0.5)[0].data)
+    assert isinstance(reply, w.Extended) and reply.lease_s[0] == pytest.approx(1.0) and reply.lease_s[1] == -1
+    a.tick(1.4)
+    assert a.table.get(p.flow).end == pytest.approx(1.5)  # type: ignore[union-attr]
+    a.tick(3.0)  # expired (plus the grace): the path is free again
+    assert _ask(a, 1, 3, now=3.0).parts[0].path == 0
+
+
+def test_a_host_beyond_its_rate_or_its_live_cap_gets_ecmp_with_the_reason() -> None:
+    a = _arbiter(limits=ArbiterLimits(max_flows_per_host=2, rate_per_host=10.0, burst_per_host=3))
+    got = [_ask(a, 0, i, dst=8 + i).parts[0] for i in range(4)]
+    assert [p.reserved for p in got] == [True, True, False, False]
+    assert got[2].why == "cap: 2 live reservations" and got[3].why == "rate limited"
+    assert a.counters.rate_limited == 1 and a.counters.capped == 1
+    assert _ask(a, 0, 9, dst=12, now=0.2).parts[0].why.startswith("cap")  # tokens back, cap still holds
+
+
+def test_a_retried_request_id_gets_the_same_answer_and_changes_nothing() -> None:
+    a = _arbiter()
+    first = a.on_host(0, w.encode(w.Ask(7, 0, 8, 100, 4791)), 0.0)
+    again = a.on_host(0, w.encode(w.Ask(7, 0, 8, 100, 4791)), 0.01)
+    assert again == [ArbiterOut(0, -1, first[0].data)] and a.counters.retries == 1
+    assert len(a.table.table()) == 1
+
+
+def test_hostile_bytes_and_claims_are_counted_and_change_nothing() -> None:
+    a = _arbiter()
+    before = a.status()
+    for data in (b"", b"\xff" * 10, msgspec.msgpack.encode([1, 1, 0, 99, 1, 1, 1, 0]),
+                 msgspec.msgpack.encode([1, 1, 0, 8, -1, 1, 1, 0]), msgspec.msgpack.encode([21, 5, True, True])):
+        a.on_host(0, data, 0.0)
+    a.on_host(0, w.encode(w.Ask(11, 0, 0, 100, 4791)), 0.0)  # to itself
+    a.on_host(99, w.encode(w.Ask(2, 0, 8, 100, 4791)), 0.0)  # not a host of the fabric
+    assert a.counters.invalid == 7 and a.table.table() == {} and a.epoch == before["epoch"]
+    # A host that claims a newer epoch does not make the arbiter step down.
+    assert _ask(a, 0, 3, epoch=(1 << 30) - 1).parts[0].reserved and a.leading
+    # A foreign arbiter message (rank 0 talking to itself, a rank that does not exist) is dropped.
+    assert a.on_arbiter(0, w.encode(w.Beat(7, True, True)), 0.0) == [] and a.leading
+
+
+class _Pair:
+    """Two arbiters wired back to back; ``up`` False cuts the link between them."""
+
+    def __init__(self, policy: str = "ark") -> None:
+        self.a = [Arbiter(PAPER, rank=r, arbiters=2, policy=policy, lease=LEASE) for r in range(2)]
+        self.up = [True, True]
+        self.now = 0.0
+        for x in self.a:
+            self.deliver(x, x.start(0.0))
+
+    def deliver(self, src: Arbiter, outs: list[ArbiterOut]) -> list[ArbiterOut]:
+        to_hosts = []
+        for o in outs:
+            if o.arbiter >= 0:
+                if self.up[src.rank] and self.up[o.arbiter]:
+                    self.deliver(self.a[o.arbiter], self.a[o.arbiter].on_arbiter(src.rank, o.data, self.now))
+            else:
+                to_hosts.append(o)
+        return to_hosts
+
+    def run(self, until: float) -> None:
+        while self.now < until:
+            self.now = round(self.now + 0.05, 6)
+            for x in self.a:
+                if self.up[x.rank]:
+                    self.deliver(x, x.tick(self.now))
+
+    def ask(self, rank: int, host: int, rid: int, epoch: int = 0, nbytes: int = 10**8) -> w.ToHost:
+        x = self.a[rank]
+        outs = self.deliver(x, x.on_host(host, w.encode(w.Ask(rid, epoch, 8, nbytes, 4791)), self.now))
+        self.deliver(x, x.flush())
+        return w.decode_to_host(outs[0].data)
+
+
+def test_the_first_rank_leads_at_a_cold_start_and_the_other_follows_its_table() -> None:
+    p = _Pair()
+    p.run(1.5)
+    lead, follow = p.a
+    assert lead.leading and not follow.leading and follow.synced and lead.epoch % 2 == 0
+    refused = p.ask(1, 0, 1)
+    assert isinstance(refused, w.Refused) and refused.leader == 0
+    grants = [p.ask(0, h, h) for h in range(3)]
+    assert all(isinstance(g, w.Grant) for g in grants)
+    assert follow.table.table() == lead.table.table() and len(lead.table.table()) == 3
+
+
+def test_the_standby_takes_over_a_silent_leader_with_a_higher_epoch_and_its_table() -> None:
+    p = _Pair()
+    p.run(1.5)
+    g = p.ask(0, 0, 1, nbytes=10**10)  # a lease of 2.6 s: it outlives the takeover
+    assert isinstance(g, w.Grant)
+    old_epoch, flow = p.a[0].epoch, g.parts[0].flow
+    p.up[0] = False  # the primary dies
+    p.run(3.0)
+    new = p.a[1]
+    assert new.leading and new.epoch > old_epoch and new.epoch % 2 == 1
+    # A renewal of the old leader's grant works: the standby followed it.
+    ext = w.decode_to_host(new.on_host(0, w.encode(w.Extend(2, new.epoch, [flow])), p.now)[0].data)
+    assert isinstance(ext, w.Extended) and ext.lease_s[0] > 0
+    nxt = p.ask(1, 1, 3, epoch=new.epoch)
+    assert isinstance(nxt, w.Grant) and nxt.parts[0].path == 1  # path 0 is still held by host 0
+    assert nxt.parts[0].flow[1] >> SEQ_SHIFT == new.epoch
+    # The old primary comes back leading its old epoch: the new leader's beat makes it follow.
+    p.up[0] = True
+    p.run(3.5)
+    assert not p.a[0].leading and p.a[1].leading and p.a[0].synced
+    assert p.a[0].table.table() == p.a[1].table.table()
+
+
+def test_registering_old_leases_after_a_takeover_keeps_free_paths_and_moves_clashes() -> None:
+    p = _Pair()
+    p.run(1.5)
+    p.up[0] = False
+    p.run(3.0)
+    new = p.a[1]
+    old = new.epoch - 1  # an epoch of rank 0 before: flows this table never held
+    mine = w.Held((0, old << SEQ_SHIFT | 5), 8, 4791, 2, 10**8, False, 0.8)
+    theirs = w.Held((1, old << SEQ_SHIFT | 6), 9, 4791, 2, 10**8, False, 0.8)
+    reply = w.decode_to_host(new.on_host(0, w.encode(w.Register(1, new.epoch, [mine])), p.now)[0].data)
+    assert isinstance(reply, w.Grant) and reply.parts[0].path == 2 and reply.parts[0].flow == mine.flow
+    clash = w.decode_to_host(new.on_host(1, w.encode(w.Register(2, new.epoch, [theirs])), p.now)[0].data)
+    assert isinstance(clash, w.Grant) and clash.parts[0].reserved and clash.parts[0].path == 0
+    forged = w.Held((0, new.epoch << SEQ_SHIFT | 99), 8, 4791, 3, 10**8, False, 0.8)  # this epoch's id, never granted
+    bad = w.decode_to_host(new.on_host(0, w.encode(w.Register(3, new.epoch, [forged])), p.now)[0].data)
+    assert isinstance(bad, w.Grant) and not bad.parts[0].reserved and bad.parts[0].why == "unknown"
+    assert new.table.exclusive_conflicts() == []
+
+
+def test_a_follower_that_misses_changes_fetches_the_whole_table_again() -> None:
+    p = _Pair()
+    p.run(1.5)
+    p.up[1] = False
+    p.ask(0, 0, 1)  # lost on the way to the follower
+    p.up[1] = True
+    p.ask(0, 1, 2)  # the follower sees a gap
+    assert p.a[1].counters.gaps == 1 and p.a[1].synced
+    assert p.a[1].table.table() == p.a[0].table.table() and len(p.a[1].table.table()) == 2
+
+
+@pytest.mark.parametrize("policy", ["ark", "ark-balance", "ark-split"])
+def test_random_load_never_puts_two_exclusive_holders_on_a_link(policy: str) -> None:
+    rng = random.Random(7)
+    a = _arbiter(policy)
+    held: list[tuple[int, tuple[int, int]]] = []
+    now = 0.0
+    for rid in range(2000):
+        now += rng.expovariate(200.0)
+        host = rng.randrange(16)
+        if held and rng.random() < 0.45:
+            h, f = held.pop(rng.randrange(len(held)))
+            a.on_host(h, w.encode(w.Drop(rid, 0, [f])), now)
+        else:
+            dst = rng.choice([d for d in range(16) if d // 8 != host // 8])
+            g = _ask(a, host, rid, dst=dst, nbytes=rng.randrange(10**9), now=now, parts=rng.choice([1, 1, 2, 3]))
+            held += [(host, p.flow) for p in g.parts if p.reserved]
+        a.tick(now)
+        assert _exclusive_clashes(a) == []
+    if policy == "ark":
+        assert a.table.exclusive_conflicts() == []
+
+
+def _exclusive_clashes(a: Arbiter) -> list[int]:
+    """Links held by two reservations that both claim them alone (shared ones may overlap)."""
+    alone: dict[int, int] = {}
+    for f, (path, shared) in a.table.table().items():
+        if not shared:
+            for lk in a.table.links(a.table.get(f).msg, path):  # type: ignore[union-attr]
+                alone[lk] = alone.get(lk, 0) + 1
+    return sorted(lk for lk, n in alone.items() if n > 1)
+
+
+def test_bad_construction_is_refused_in_one_line() -> None:
+    with pytest.raises(CoreError, match="rank"):
+        Arbiter(PAPER, rank=2, arbiters=2)
+    with pytest.raises(CoreError, match="takeover_s"):
+        Arbiter(PAPER, heartbeat_s=1.0, takeover_s=0.5)
+    with pytest.raises(CoreError, match="rate_per_host"):
+        ArbiterLimits(rate_per_host=float("nan"))
