@@ -85,6 +85,15 @@ def test_a_host_beyond_its_rate_or_its_live_cap_gets_ecmp_with_the_reason() -> N
     assert _ask(a, 0, 9, dst=12, now=0.2).parts[0].why.startswith("cap")  # tokens back, cap still holds
 
 
+def test_an_epoch_whose_flow_ids_are_used_up_leads_on_in_a_new_one() -> None:
+    a = _arbiter()
+    first = _ask(a, 0, 1).parts[0]
+    a._n = (1 << SEQ_SHIFT) - 1  # the last id of this epoch was handed out
+    nxt = _ask(a, 1, 2).parts[0]
+    assert a.leading and a.epoch > first.flow[1] >> SEQ_SHIFT and a.epoch % a.arbiters == a.rank
+    assert nxt.flow == (1, a.epoch << SEQ_SHIFT | 1) and nxt.path == 1  # the earlier grant still holds path 0
+
+
 def test_a_retried_request_id_gets_the_same_answer_and_changes_nothing() -> None:
     a = _arbiter()
     first = a.on_host(0, w.encode(w.Ask(7, 0, 8, 100, 4791)), 0.0)

@@ -27,15 +27,21 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from ark.agent.cluster import ArbiterEntry, Cluster, read_secret_key
-from ark.agent.daemon import _ev, _frames, _Keys, _listed_ips, readable, setup_logging
+from ark.agent.cluster import ArbiterEntry, Cluster
+from ark.agent.logs import event as _ev
+from ark.agent.logs import setup_logging
 from ark.agent.sockets import (
     HANDSHAKE_IVL_MS,
     AgentError,
     ConnectionGuard,
+    ZapKeys,
     bind,
     check_resolvable,
+    endpoint_ips,
+    own_curve_keys,
     raise_fd_limit,
+    readable,
+    recv_frames,
 )
 from ark.core.arbiter import Arbiter, ArbiterLimits, ArbiterOut
 from ark.core.arbiter_wire import MAX_ARBITER_MESSAGE_BYTES
@@ -48,15 +54,8 @@ class ArbiterProcess:
     def __init__(self, cluster: Cluster, name: str, secret_key_file: str | None = None) -> None:
         self.cluster = cluster
         self.me: ArbiterEntry = cluster.arbiter(name)
-        keyfile = secret_key_file or self.me.secret_key_file
-        if keyfile is None:
-            raise AgentError(f"secret_key_file: not set for arbiter {name}; give --secret-key or set secret_key_file "
-                             f"in its [[arbiters]] table")
-        pub, self.secret = read_secret_key(keyfile)
-        if pub.decode() != self.me.public_key:
-            raise AgentError(f"secret_key_file: {keyfile} does not match arbiter {name}'s public_key in the cluster "
-                             f"file; expected the secret key of that public key (ark keygen wrote both)")
-        self.public = pub
+        self.public, self.secret = own_curve_keys(secret_key_file or self.me.secret_key_file, self.me.public_key,
+                                                  f"arbiter {name}", "[[arbiters]]")
         for a in cluster.arbiters:
             check_resolvable(a.control, f"arbiters[{a.rank}].control")
         c = cluster
@@ -79,7 +78,7 @@ class ArbiterProcess:
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
         keys = [h.public_key for h in self.cluster.hosts] + [a.public_key for a in self.cluster.arbiters]
-        self.auth.configure_curve_callback(domain="*", credentials_provider=_Keys(keys))
+        self.auth.configure_curve_callback(domain="*", credentials_provider=ZapKeys(keys))
         inbox = self.inbox = ctx.socket(zmq.ROUTER)
         inbox.curve_secretkey, inbox.curve_publickey, inbox.curve_server = self.secret, self.public, True
         for opt, val in ((zmq.RCVHWM, 16384), (zmq.SNDHWM, 16384), (zmq.LINGER, 0),
@@ -87,7 +86,7 @@ class ArbiterProcess:
                          (zmq.ROUTER_MANDATORY, 0)):
             inbox.setsockopt(opt, val)
         budget = min(self.cluster.connections(len(self.cluster.hosts) + len(self.cluster.arbiters)), max(16, fds - 256))
-        ips = _listed_ips(self.cluster) | _arbiter_ips(self.cluster)
+        ips = endpoint_ips([*(h.control for h in self.cluster.hosts), *(a.control for a in self.cluster.arbiters)])
         self.guard = ConnectionGuard(inbox, budget, ips)
         bind(inbox, self.me.control, "control")
         self.out: dict[int, zmq.Socket] = {}
@@ -153,7 +152,7 @@ class ArbiterProcess:
         sock, core = self.inbox, self.core
         n = 0
         while n < BATCH and readable(sock):
-            frames = _frames(sock)
+            frames = recv_frames(sock)
             n += 1
             if len(frames) != 2:
                 core.counters.invalid += 1
@@ -204,18 +203,6 @@ class ArbiterProcess:
             self._role = role
             log.info(**_ev("arbiter_role", name=self.me.name, role=self.core.role, epoch=self.core.epoch,
                            seen_epoch=self.core.seen_epoch, synced=self.core.synced))
-
-
-def _arbiter_ips(cluster: Cluster) -> set[str]:
-    import socket
-
-    ips: set[str] = set()
-    for a in cluster.arbiters:
-        if a.control.startswith("tcp://"):
-            host = a.control[len("tcp://"):].rpartition(":")[0].strip("[]")
-            with contextlib.suppress(OSError):
-                ips.update(str(x[4][0]) for x in socket.getaddrinfo(host, None))
-    return ips
 
 
 def run_arbiter(cluster: Cluster, name: str, secret_key_file: str | None = None, log_level: str = "info") -> None:

@@ -29,8 +29,8 @@ from ark.agent.attack import KINDS, hostile_envelopes
 from ark.agent.client import AgentTimeout, ArkClient, ArkClientError
 from ark.agent.cluster import Cluster
 from ark.agent.cluster import load as load_cluster
-from ark.agent.daemon import readable
 from ark.agent.loopback import AgentProcs, write_cluster
+from ark.agent.sockets import readable
 
 
 def rss_mb(pid: int) -> float:

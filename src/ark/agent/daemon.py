@@ -28,106 +28,57 @@ wall clock (hosts are assumed PTP-synchronised, as the protocol's race rule requ
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
 import signal
-import sys
 import time
 import traceback
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ark.agent.api import API_MAX_BYTES, LocalApi, lease_dict
-from ark.agent.cluster import Cluster, HostEntry, read_secret_key
+from ark.agent.cluster import Cluster, HostEntry
 from ark.agent.holders import Holders, peer_pid
 from ark.agent.incarnation import IncarnationError, next_incarnation
 from ark.agent.keys import Signatures
+from ark.agent.logs import event as _ev
+from ark.agent.logs import setup_logging
 from ark.agent.metrics import SCRAPES_AT_ONCE, MetricsServer, registry
 from ark.agent.refresh import PathRefresher
 from ark.agent.sockets import (
     HANDSHAKE_IVL_MS,
     AgentError,
     ConnectionGuard,
+    ZapKeys,
     bind,
     check_resolvable,
+    endpoint_ips,
     ipc_identity,
     open_api,
+    own_curve_keys,
     raise_fd_limit,
+    readable,
+    recv_frames,
     remove_ipc,
 )
 from ark.core.envelope import MAX_ENVELOPE_BYTES
 from ark.core.node import Node, NodeLimits, Output, Publish
 from ark.core.protocol import CoreError, CoreLimits
 
-_POLLIN = int(zmq.POLLIN)
-
 log = logging.getLogger("ark.agent")
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, event and the record's fields."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "event": record.getMessage()}
-        out.update(getattr(record, "fields", {}))
-        return json.dumps(out, default=str)
-
-
-def setup_logging(level: str = "info") -> None:
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(JsonFormatter())
-    root = logging.getLogger("ark")
-    root.handlers[:] = [h]
-    root.setLevel(level.upper())
-    root.propagate = False
-
-
-def _ev(event: str, **fields: Any) -> dict[str, Any]:
-    return {"msg": event, "extra": {"fields": fields}}
-
-
-def _listed_ips(cluster: Cluster) -> set[str]:
-    import socket
-
-    ips: set[str] = set()
-    for h in cluster.hosts:
-        if h.control.startswith("tcp://"):
-            host = h.control[len("tcp://"):].rpartition(":")[0].strip("[]")
-            with contextlib.suppress(OSError):
-                ips.update(str(a[4][0]) for a in socket.getaddrinfo(host, None))
-    return ips
-
-
-class _Keys:
-    """ZAP credentials provider: only the cluster's public keys get in."""
-
-    def __init__(self, keys: Iterable[str]) -> None:
-        self.keys = {k.encode() for k in keys}
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key in self.keys
 
 
 class Agent:
     def __init__(self, cluster: Cluster, host: str, secret_key_file: str | None = None) -> None:
         self.cluster = cluster
         self.me: HostEntry = cluster.host(host)
-        keyfile = secret_key_file or self.me.secret_key_file
-        if keyfile is None:
-            raise AgentError(f"secret_key_file: not set for {host}; give --secret-key or set secret_key_file "
-                             f"in its [[hosts]] table")
-        pub, self.secret = read_secret_key(keyfile)
-        if pub.decode() != self.me.public_key:
-            raise AgentError(f"secret_key_file: {keyfile} does not match {host}'s public_key in the cluster file; "
-                             f"expected the secret key of that public key (ark keygen wrote both)")
-        self.public = pub
+        self.public, self.secret = own_curve_keys(secret_key_file or self.me.secret_key_file, self.me.public_key,
+                                                  host, "[[hosts]]")
         scope = cluster.traffic_scope()
         # Scoped: only the senders whose flows can share a link with ours (ark.core.scope).
         self.scope_links = None if scope is None else scope.links(self.me.index)
@@ -187,7 +138,7 @@ class Agent:
         ctx = self.ctx = zmq.Context()
         self.auth = ThreadAuthenticator(ctx)
         self.auth.start()
-        self.auth.configure_curve_callback(domain="*", credentials_provider=_Keys(h.public_key for h in self.cluster.hosts))
+        self.auth.configure_curve_callback(domain="*", credentials_provider=ZapKeys(h.public_key for h in self.cluster.hosts))
         self.inbox = ctx.socket(zmq.ROUTER)
         self._curve(self.inbox, None)
         for opt, val in ((zmq.RCVHWM, 4096), (zmq.LINGER, 0), (zmq.MAXMSGSIZE, MAX_ENVELOPE_BYTES + 1024),
@@ -197,7 +148,7 @@ class Agent:
         # of the same budget as the control port's.
         spare = 256 + (SCRAPES_AT_ONCE + 1 if self.me.metrics_port is not None else 0)
         budget = min(self.cluster.connections(len(self.cluster.hosts)), max(16, fds - spare))
-        self.guard = ConnectionGuard(self.inbox, budget, _listed_ips(self.cluster))
+        self.guard = ConnectionGuard(self.inbox, budget, endpoint_ips(h.control for h in self.cluster.hosts))
         bind(self.inbox, self.me.control, "control")
         self.api_sock = open_api(ctx, self.me.api, API_MAX_BYTES + 256)
         self._api_file = ipc_identity(self.me.api)
@@ -319,7 +270,7 @@ class Agent:
         i = 0
         try:
             while i < limit and readable(sock):
-                self._peer_message(_frames(sock))
+                self._peer_message(recv_frames(sock))
                 i += 1
                 if i % slice_ == 0 and readable(api):
                     self._settle()
@@ -488,23 +439,6 @@ class _ArrivalRate:
             self.start, self.count = now, 0
         self.count += n
         return max(self.rate, self.count / self.span_s)
-
-
-def readable(sock: zmq.Socket) -> bool:
-    # A plain integer query: a receive that fails costs a raised exception, several times more.
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN)
-
-
-def _frames(sock: zmq.Socket, keep: int = 3) -> list[zmq.Frame]:
-    """One multipart message without a socket query per part; only its first ``keep``
-    parts are kept (a peer that sends more is invalid anyway, and cannot make us hold them)."""
-    f = sock.recv(copy=False)
-    frames = [f]
-    while f.more:
-        f = sock.recv(copy=False)
-        if len(frames) < keep:
-            frames.append(f)
-    return frames
 
 
 def run_agent(cluster: Cluster, host: str, secret_key_file: str | None = None, log_level: str = "info") -> None:

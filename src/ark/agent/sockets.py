@@ -19,13 +19,18 @@ import os
 import resource
 import socket
 import stat
+from collections.abc import Iterable
 from pathlib import Path
+from typing import cast
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from ark.agent.cluster import read_secret_key
+
 HANDSHAKE_IVL_MS = 2000
 STRANGERS = 64  # connections at once from addresses no listed host has
+_POLLIN = int(zmq.POLLIN)
 
 
 class AgentError(RuntimeError):
@@ -194,3 +199,54 @@ def _peer_ip(fd: int) -> str | None:
         return None
     finally:
         s.close()
+
+
+class ZapKeys:
+    """ZAP credentials provider: only the listed public keys get in."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self.keys = {k.encode() for k in keys}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.keys
+
+
+def endpoint_ips(endpoints: Iterable[str]) -> set[str]:
+    """The addresses of the ``tcp://`` endpoints (the listed hosts' and arbiters')."""
+    ips: set[str] = set()
+    for ep in endpoints:
+        if ep.startswith("tcp://"):
+            host = ep[len("tcp://"):].rpartition(":")[0].strip("[]")
+            with contextlib.suppress(OSError):
+                ips.update(str(a[4][0]) for a in socket.getaddrinfo(host, None))
+    return ips
+
+
+def own_curve_keys(keyfile: str | None, public_key: str, name: str, table: str) -> tuple[bytes, bytes]:
+    """(public, secret) of this process from ``keyfile``, which must hold the secret key of
+    the ``public_key`` the cluster file lists for ``name`` (in its ``table``)."""
+    if keyfile is None:
+        raise AgentError(f"secret_key_file: not set for {name}; give --secret-key or set secret_key_file "
+                         f"in its {table} table")
+    pub, secret = read_secret_key(keyfile)
+    if pub.decode() != public_key:
+        raise AgentError(f"secret_key_file: {keyfile} does not match {name}'s public_key in the cluster file; "
+                         f"expected the secret key of that public key (ark keygen wrote both)")
+    return pub, secret
+
+
+def readable(sock: zmq.Socket) -> bool:
+    # A plain integer query: a receive that fails costs a raised exception, several times more.
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & _POLLIN)
+
+
+def recv_frames(sock: zmq.Socket, keep: int = 3) -> list[zmq.Frame]:
+    """One multipart message without a socket query per part; only its first ``keep``
+    parts are kept (a peer that sends more is invalid anyway, and cannot make us hold them)."""
+    f = sock.recv(copy=False)
+    frames = [f]
+    while f.more:
+        f = sock.recv(copy=False)
+        if len(frames) < keep:
+            frames.append(f)
+    return frames

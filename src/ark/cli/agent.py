@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -17,11 +18,22 @@ def _cluster(path: str) -> Any:
     return clmod.load(path)
 
 
+def _daemon_options(f: Callable[..., None]) -> Callable[..., None]:
+    """The options every long-running process takes: its cluster file, key and log level."""
+    for opt in reversed((
+        click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML."),
+        click.option("--secret-key", type=click.Path(dir_okay=False),
+                     help="CURVE secret key file (default: from the cluster file)."),
+        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
+                     show_default=True),
+    )):
+        f = opt(f)
+    return f
+
+
 @click.command()
-@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML.")
+@_daemon_options
 @click.option("--host", required=True, help="This host's name in the cluster file.")
-@click.option("--secret-key", type=click.Path(dir_okay=False), help="CURVE secret key file (default: from the cluster file).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def agent(cluster_path: str, host: str, secret_key: str | None, log_level: str) -> None:
     """Run this host's ARK agent (JSON logs on stderr)."""
     from ark.agent.daemon import run_agent
@@ -30,10 +42,8 @@ def agent(cluster_path: str, host: str, secret_key: str | None, log_level: str) 
 
 
 @click.command("arbiter")
-@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML.")
+@_daemon_options
 @click.option("--name", required=True, help="This arbiter's name in the cluster file's [[arbiters]].")
-@click.option("--secret-key", type=click.Path(dir_okay=False), help="CURVE secret key file (default: from the cluster file).")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True)
 def arbiter(cluster_path: str, name: str, secret_key: str | None, log_level: str) -> None:
     """Run an ARK arbiter: decides for every host with one table (JSON logs on stderr)."""
     from ark.agent.arbiter import run_arbiter

@@ -46,11 +46,12 @@ Bounds (what one listed host can make the arbiter keep or do): live flows per ho
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from ark.core import arbiter_wire as w
 from ark.core.messages import FlowId, Message, ProtocolError, Release, Renew, Reserve, decode, encode
@@ -65,6 +66,7 @@ from ark.core.table import (
     least_backlogged,
 )
 
+_M = TypeVar("_M")
 LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seconds
 
 SAME_LEAF = "same leaf"
@@ -164,7 +166,8 @@ class Arbiter:
         self._started: float | None = None
         self._next_beat = -INF
         self._syncing = False
-        self._rates: dict[tuple[int, int, int], float] = {}
+        # Path rates per (src, dst, path): every pair of a large fabric asks, so the cache is bounded.
+        self._rate = functools.lru_cache(maxsize=1 << 16)(routes.path_rate_bps)
         self._following = -1  # the epoch whose table this follower holds or is fetching
         self._sent = 0  # table messages sent to followers in this epoch
         self._applied = 0  # table messages applied from the leader's stream in its epoch
@@ -189,7 +192,7 @@ class Arbiter:
     def tick(self, now: float) -> list[ArbiterOut]:
         """Expire leases; beat; take over from a silent leader."""
         for f in self.table.tick(now):
-            self._hosts.get(f[0], _NOHOST).live.discard(f)
+            self._ended(f)
         out: list[ArbiterOut] = []
         if not self.leading and self.arbiters > 1 and self._started is not None and now >= self._takeover_at():
             self._become(_LEADING, now)
@@ -213,11 +216,7 @@ class Arbiter:
     def _become(self, role: str, now: float, epoch: int | None = None) -> None:
         """Every change of role: leading takes a generation above every epoch seen."""
         if role == _LEADING and not self.leading:
-            generation = self.seen_epoch // self.arbiters + 1
-            self.epoch = self.seen_epoch = generation * self.arbiters + self.rank
-            if self.epoch >= 1 << 30:
-                raise CoreError("epoch: exhausted (2**30 epochs); start the arbiters with generation 0")
-            self._n, self._sent, self._changes = 0, 0, []
+            self._lead_anew()
             self._recount(now)
             self.counters.takeovers += self.arbiters > 1
             self._next_beat = now  # tell the others at once
@@ -228,16 +227,21 @@ class Arbiter:
             self.seen_epoch = max(self.seen_epoch, epoch)
         self.role = role
 
+    def _lead_anew(self) -> None:
+        """A new epoch, a generation above every epoch seen: at a takeover, and when an
+        epoch's 2**32 flow ids are used up (followers see the new epoch and fetch the table)."""
+        generation = self.seen_epoch // self.arbiters + 1
+        epoch = generation * self.arbiters + self.rank
+        if epoch >= 1 << 30:
+            raise CoreError("epoch: exhausted (2**30 epochs); start the arbiters with generation 0")
+        self.epoch = self.seen_epoch = epoch
+        self._n, self._sent, self._changes = 0, 0, []
+
     # ------------------------------------------------------------------ hosts
     def on_host(self, host: int, data: bytes, now: float) -> list[ArbiterOut]:
         """One message from ``host`` (the transport authenticated it)."""
-        if not 0 <= host < self.routes.n_hosts:
-            self.counters.invalid += 1
-            return []
-        try:
-            msg = w.decode_from_host(data)
-        except w.ArbiterWireError:
-            self.counters.invalid += 1
+        msg = self._decoded(w.decode_from_host, data, 0 <= host < self.routes.n_hosts)
+        if msg is None:
             return []
         if msg.epoch > self.epoch:
             # The host has heard a newer leader. Only an arbiter's beat makes this one step
@@ -253,7 +257,7 @@ class Arbiter:
         if kept is not None:
             self.counters.retries += 1
             return [ArbiterOut(host, -1, kept)]
-        reply = self._answer(host, st, msg, now, self._changes)
+        reply = self._answer(host, st, msg, now)
         data_out = w.encode(reply)
         st.answers[msg.rid] = data_out
         if len(st.answers) > ANSWERS_KEPT:
@@ -274,18 +278,23 @@ class Arbiter:
             self._sent += len(chunk)
         return out
 
-    def _answer(self, host: int, st: _Host, msg: w.FromHost, now: float, changes: list[Message]) -> w.ToHost:
+    def _answer(self, host: int, st: _Host, msg: w.FromHost, now: float) -> w.ToHost:
         if isinstance(msg, w.Ask):
-            return w.Grant(msg.rid, self.epoch, self._ask(host, st, msg, now, changes))
+            return w.Grant(msg.rid, self.epoch, self._ask(host, st, msg, now))
         if isinstance(msg, w.Extend):
-            return w.Extended(msg.rid, self.epoch, [self._extend(host, f, now, changes) for f in msg.flows])
+            return w.Extended(msg.rid, self.epoch, [self._extend(host, f, now) for f in msg.flows])
         if isinstance(msg, w.Drop):
             for f in msg.flows:
-                self._drop(host, f, now, changes)
+                self._drop(host, f, now)
             return w.Dropped(msg.rid, self.epoch)
         if isinstance(msg, w.Register):
-            return w.Grant(msg.rid, self.epoch, [self._register(host, st, h, now, changes) for h in msg.held])
+            return w.Grant(msg.rid, self.epoch, [self._register(host, st, h, now) for h in msg.held])
         return w.Pong(msg.rid, self.epoch)
+
+    def _ended(self, flow: FlowId) -> None:
+        st = self._hosts.get(flow[0])
+        if st is not None:
+            st.live.discard(flow)
 
     def _host(self, host: int, now: float) -> _Host:
         st = self._hosts.get(host)
@@ -302,7 +311,7 @@ class Arbiter:
         st.tokens -= 1
         return True
 
-    def _ask(self, host: int, st: _Host, msg: w.Ask, now: float, changes: list[Message]) -> list[w.Part]:
+    def _ask(self, host: int, st: _Host, msg: w.Ask, now: float) -> list[w.Part]:
         self.counters.asks += 1
         n_hosts = self.routes.n_hosts
         if msg.dst >= n_hosts or msg.dst == host:
@@ -315,13 +324,25 @@ class Arbiter:
         parts: list[w.Part] = []
         avoid = msg.avoid
         for i in range(msg.parts):
-            part = self._decide(host, st, msg.dst, msg.dport, q + (i < r), now, avoid, why, changes)
+            part = self._decide(host, st, msg.dst, msg.dport, q + (i < r), now, avoid, why)
             parts.append(part)
             if part.reserved:
                 avoid |= 1 << part.path
         return parts
 
+    def _decoded(self, decode_fn: Callable[[bytes], _M], data: bytes, known_sender: bool) -> _M | None:
+        """The message, or None, counted as invalid: undecodable, or from a sender out of range."""
+        try:
+            if known_sender:
+                return decode_fn(data)
+        except w.ArbiterWireError:
+            pass
+        self.counters.invalid += 1
+        return None
+
     def _flow(self, host: int) -> FlowId:
+        if self._n >= (1 << SEQ_SHIFT) - 1:  # this epoch's ids are used up: lead on in a new one
+            self._lead_anew()
         self._n += 1
         return (host, self.epoch << SEQ_SHIFT | self._n)
 
@@ -332,7 +353,7 @@ class Arbiter:
         return ts
 
     def _decide(self, host: int, st: _Host, dst: int, dport: int, nbytes: int, now: float, avoid: int, why: str,
-                changes: list[Message], flow: FlowId | None = None, prefer: int = -1) -> w.Part:
+                flow: FlowId | None = None, prefer: int = -1) -> w.Part:
         flow = flow or self._flow(host)
         stages = self.table.stage_list(host, dst)
         if not stages:
@@ -354,7 +375,7 @@ class Arbiter:
                 return self._ecmp(flow, NO_FREE_PATH)
             ts = now
             path, shared = least_backlogged(stages, n, lambda lk: self.table.link_backlog(lk, ts), usable), True
-        return self._reserve(flow, dst, dport, path, nbytes, shared, now, st, changes)
+        return self._reserve(flow, dst, dport, path, nbytes, shared, now, st)
 
     def _capped(self, host: int, st: _Host) -> str:
         """Why ``host`` may reserve no more now ("" when it may): its live reservations, and
@@ -373,16 +394,14 @@ class Arbiter:
         return w.Part(flow, 0, False, False, 0.0, why)
 
     def _reserve(self, flow: FlowId, dst: int, dport: int, path: int, nbytes: int, shared: bool, now: float,
-                 st: _Host, changes: list[Message]) -> w.Part:
+                 st: _Host) -> w.Part:
         host = flow[0]
-        rate = self._rates.get((host, dst, path))
-        if rate is None:
-            rate = self._rates[(host, dst, path)] = float(self.routes.path_rate_bps(host, dst, path))
+        rate = float(self._rate(host, dst, path))
         ts = self._stamp(now)
         lease_s = self._lease(nbytes, rate) if self._lease else INF
         msg = Reserve(flow, ts, host, dst, dport, path, 0, nbytes, rate, shared, ts + lease_s)
         self.table.insert(msg)
-        changes.append(msg)
+        self._changes.append(msg)
         st.live.add(flow)
         self.counters.granted += 1
         return w.Part(flow, path, True, shared, min(lease_s, 86400.0))
@@ -393,7 +412,7 @@ class Arbiter:
             return False
         return True
 
-    def _extend(self, host: int, flow: tuple[int, int], now: float, changes: list[Message]) -> float:
+    def _extend(self, host: int, flow: tuple[int, int], now: float) -> float:
         if not self._owned(host, flow):
             return -1.0
         e = self.table.get(flow)
@@ -407,11 +426,11 @@ class Arbiter:
         if expires > e.expires:
             msg = Renew(flow, ts, expires)
             self.table.apply_renew(e, msg)
-            changes.append(msg)
+            self._changes.append(msg)
         self.counters.renewed += 1
         return min(e.expires - now, 86400.0)
 
-    def _drop(self, host: int, flow: tuple[int, int], now: float, changes: list[Message]) -> None:
+    def _drop(self, host: int, flow: tuple[int, int], now: float) -> None:
         if not self._owned(host, flow):
             return
         e = self.table.get(flow)
@@ -420,11 +439,11 @@ class Arbiter:
             return
         msg = Release(flow, self._stamp(max(now, e.msg.ts)))
         self.table.apply_release(msg)
-        self._hosts.get(host, _NOHOST).live.discard(flow)
-        changes.append(msg)
+        self._ended(flow)
+        self._changes.append(msg)
         self.counters.released += 1
 
-    def _register(self, host: int, st: _Host, held: w.Held, now: float, changes: list[Message]) -> w.Part:
+    def _register(self, host: int, st: _Host, held: w.Held, now: float) -> w.Part:
         """A lease the host holds from an earlier leader: kept if this table holds it,
         else judged as a new request that prefers its old path (its id is kept)."""
         self.counters.registered += 1
@@ -441,7 +460,7 @@ class Arbiter:
             self.counters.unknown += 1
             return w.Part(flow, 0, False, False, 0.0, "unknown")
         why = "" if self._within_rate(st, now) else RATE_LIMITED
-        return self._decide(host, st, held.dst, held.dport, held.nbytes, now, 0, why, changes, flow=flow,
+        return self._decide(host, st, held.dst, held.dport, held.nbytes, now, 0, why, flow=flow,
                             prefer=held.path)
 
     def _reply(self, host: int, msg: w.ToHost) -> ArbiterOut:
@@ -454,13 +473,8 @@ class Arbiter:
 
     def on_arbiter(self, rank: int, data: bytes, now: float) -> list[ArbiterOut]:
         """One message from arbiter ``rank`` (the transport authenticated it)."""
-        if not 0 <= rank < self.arbiters or rank == self.rank:
-            self.counters.invalid += 1
-            return []
-        try:
-            msg = w.decode_between(data)
-        except w.ArbiterWireError:
-            self.counters.invalid += 1
+        msg = self._decoded(w.decode_between, data, 0 <= rank < self.arbiters and rank != self.rank)
+        if msg is None:
             return []
         if msg.epoch % self.arbiters != rank:  # an epoch is its leader's: rank r leads only epochs = r mod n
             self.counters.invalid += 1
@@ -549,5 +563,3 @@ class Arbiter:
         return {"rank": self.rank, "epoch": self.epoch, "seen_epoch": self.seen_epoch, "role": self.role,
                 "synced": self.synced, "flows": len(self.table.table()), "counters": dict(self.counters.__dict__)}
 
-
-_NOHOST = _Host(0.0, 0.0)
