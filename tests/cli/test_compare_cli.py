@@ -26,6 +26,8 @@ from tests.cli.test_cli import ark, one_line_error
         (["race-window", "--jitters", "nan"], ["--jitters", "finite"]),
         (["race-window", "--set", "workload.qps=[5, 10]"], ["--set", "workload.qps", "--qps"]),
         (["race-window", "--set", "network.control_delay_us=5"], ["--set", "--delays"]),
+        (["race-window", "--arbiter-rtt", "-5"], ["--arbiter-rtt", ">= 0"]),
+        (["race-window", "--set", 'network.control="arbiter"'], ["--set", "--arbiter-rtt"]),
         (["compare", "--set", 'fabric.preset="clos3-small"', "--schemes", "conga,ecmp"],
          ["experiment.schemes", "conga", "2-tier"]),
         (["compare", "--qps", "5,inf"], ["--qps", "finite"]),
@@ -53,11 +55,12 @@ def test_compare_writes_results_summary_and_figures(tmp_path) -> None:
 
 
 def test_race_window_json(tmp_path) -> None:
-    p = ark("race-window", "--delays", "10,100000", "--jitters", "", "--skews", "100", "--queues", "", "--requests",
-            "60", "--seeds", "1", "--jobs", "1", "--schemes", "ark", "--out", str(tmp_path / "rw"), "--json")
+    p = ark("race-window", "--delays", "10,100000", "--jitters", "", "--skews", "100", "--queues", "", "--arbiter-rtt",
+            "200", "--requests", "60", "--seeds", "1", "--jobs", "1", "--schemes", "ark", "--out", str(tmp_path / "rw"),
+            "--json")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
-    assert {r["sweep"] for r in d["rows"]} == {"ecmp", "reference", "delay", "skew"}
+    assert {r["sweep"] for r in d["rows"]} == {"ecmp", "reference", "delay", "skew", "arbiter"}
     assert d["halving_delay_us"] == {"ark": halving_delay(d["rows"], "ark")}
     assert (tmp_path / "rw" / "race_window.png").stat().st_size > 0
 

@@ -293,6 +293,22 @@ def test_ark_split_flows_send_on_every_part_each_across_its_own_spine(bed):
 
 @root
 @needs_ns
+def test_under_arbiters_ark_split_flows_cross_their_reserved_spines(bed):
+    from ark.testbed import run as tr
+
+    st, _ = bed
+    rec = tr.run(st, tr.RunParams(scheme="ark-split", requests=12, qps=8.0, seed=2, sample=64, control="arbiter"),
+                 reprobe=False)
+    assert rec["control"] == "arbiter" and rec["errors"] == 0
+    assert rec["path_checked"] == 12 and rec["path_match_fraction"] == 1.0
+    logs = sorted((st.dir / "run-builtin-ark-split-2").glob("arbiter-*.log"))
+    assert len(logs) == 2  # a primary and a standby, in two hosts' namespaces
+    with pytest.raises(tr.TestbedError, match="control: must be one of broadcast, arbiter"):
+        tr.RunParams(control="central").check(st)
+
+
+@root
+@needs_ns
 def test_a_seed_fixes_ecmp_paths_and_the_run_records_where_its_time_went(bed):
     from ark.testbed import run as tr
 

@@ -168,22 +168,29 @@ class LocalApi:
         return self.agent.cluster.dport if dport is None else dport
 
     # ------------------------------------------------------------------ ops
-    def op_reserve(self, req: ReserveReq, rid: bytes, now: float) -> Reply:
+    def op_reserve(self, req: ReserveReq, rid: bytes, now: float) -> Reply | None:
         node, dst, dport = self.agent.node, self._host(req.dst, "dst"), self._dport(req.dport)
+        arb = self.agent.arbiter
+        if arb is not None:  # the arbiter decides; the reply comes with its answer
+            node.core.check_request(dst, req.nbytes, dport)
+            parts = req.parts if req.parts is None else req.parts or split_parts(
+                req.nbytes, node.core.routes.n_paths(node.host, dst), self.agent.cluster.split_part_bytes)
+            arb.reserve(rid, self.pid, dst, req.nbytes, dport, parts, req.connections)
+            return None
         if req.parts is None:
             lease, outs = node.reserve(dst, req.nbytes, now, dport)
             self.agent.emit(outs)
-            self._hold([lease])
-            return {"ok": True, "lease": self._with_ports(lease, req.connections)}
+            self.hold([lease])
+            return {"ok": True, "lease": self.with_ports(lease, req.connections)}
         parts = req.parts or split_parts(req.nbytes, node.core.routes.n_paths(node.host, dst),
                                          self.agent.cluster.split_part_bytes)
         leases, outs = node.reserve_split(dst, req.nbytes, now, parts, dport)
         self.agent.emit(outs)
-        self._hold(leases)
+        self.hold(leases)
         share = -(-req.connections // max(1, sum(le.reserved for le in leases)))
-        return {"ok": True, "leases": [self._with_ports(le, share) for le in leases]}
+        return {"ok": True, "leases": [self.with_ports(le, share) for le in leases]}
 
-    def _with_ports(self, lease: Lease, connections: int) -> dict[str, Any]:
+    def with_ports(self, lease: Lease, connections: int) -> dict[str, Any]:
         """The lease's reply; asked for ``connections`` > 1 and reserved, it also names
         ``ports``: its own source port and more of its path, one per connection (fewer when
         the path's bucket or the flow's cap of extra ports has no more)."""
@@ -192,8 +199,10 @@ class LocalApi:
             d["ports"] = [lease.src_port, *self.agent.node.more_ports(lease.flow_id, connections - 1)]
         return d
 
-    def op_renew(self, req: FlowsReq, rid: bytes, now: float) -> Reply:
+    def op_renew(self, req: FlowsReq, rid: bytes, now: float) -> Reply | None:
         node, flows = self.agent.node, req.ids()
+        if self.agent.arbiter is not None:  # the arbiter's flows are renewed there (None: answered later)
+            return self.agent.arbiter.renew(rid, flows, req.flow is not None)
         for f in flows:  # all or nothing: a part that is gone fails the whole lease
             node.lease_of(f, now)
         leases = []
@@ -201,13 +210,16 @@ class LocalApi:
             lease, outs = node.renew(f, now)
             self.agent.emit(outs)
             leases.append(lease)
-        self._hold(leases)
+        self.hold(leases)
         if req.flow is not None:
             return {"ok": True, "lease": lease_dict(leases[0])}
         return {"ok": True, "leases": [lease_dict(le) for le in leases]}
 
     def op_release(self, req: FlowsReq, rid: bytes, now: float) -> Reply:
         gone: CoreError | None = None
+        arb = self.agent.arbiter
+        if arb is not None:  # released here at once; the arbiter hears of it after
+            arb.drop(arb.reserved_of(req.ids()))
         for f in req.ids():  # every part that is still held is released, even after one that is not
             try:
                 self.agent.emit(self.agent.node.release(f, now))
@@ -218,7 +230,7 @@ class LocalApi:
             raise gone
         return {"ok": True}
 
-    def _hold(self, leases: list[Lease]) -> None:
+    def hold(self, leases: list[Lease]) -> None:
         """The requesting process holds these flows (released if it vanishes)."""
         for lease in leases:
             if self.agent.node.holds(lease.flow_id):  # an untracked ECMP lease holds nothing to release
@@ -252,6 +264,9 @@ class LocalApi:
                           vanished_client_releases=agent.holders.released if hasattr(agent, "holders") else 0,
                           **(agent.http.counters() if agent.http is not None else {}))
         st["peers"] = {agent.peers[int(p)].name: v for p, v in st["peers"].items()}
+        st["control"] = agent.cluster.control
+        if agent.arbiter is not None:
+            st["arbiter"] = agent.arbiter.status()
         samples = list(agent.node.propagation_s)
         st["propagation_samples"] = samples[-req.samples:] if req.samples else []
         st["propagation_count"] = len(samples)

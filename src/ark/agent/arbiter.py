@@ -28,6 +28,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ark.agent.cluster import ArbiterEntry, Cluster
+from ark.agent.incarnation import IncarnationError, keep_generation
 from ark.agent.logs import event as _ev
 from ark.agent.logs import setup_logging
 from ark.agent.sockets import (
@@ -61,9 +62,13 @@ class ArbiterProcess:
         c = cluster
         limits = ArbiterLimits(max_flows_per_host=c.max_flows_per_host, rate_per_host=c.arbiter_rate_per_host,
                                burst_per_host=c.arbiter_burst_per_host)
+        try:  # one generation above any this arbiter has led or heard of: hosts refuse older epochs
+            self._generation = keep_generation(c.state_dir, f"arbiter-{name}", 0)
+        except IncarnationError as e:
+            raise AgentError(str(e)) from None
         self.core = Arbiter(c.fabric, rank=self.me.rank, arbiters=len(c.arbiters), policy=c.policy, lease=c.lease(),
                             limits=limits, heartbeat_s=c.takeover_s / 5, takeover_s=c.takeover_s,
-                            retention_s=c.retention_s)
+                            retention_s=c.retention_s, generation=self._generation)
         self._sender: dict[bytes, tuple[int, int]] = {h.public_key.encode(): (h.index, -1) for h in c.hosts}
         self._sender.update({a.public_key.encode(): (-1, a.rank) for a in c.arbiters})
         self._stop = False
@@ -144,7 +149,7 @@ class ArbiterProcess:
                     self.send(self.core.tick(now))
                 self._log_role()
         finally:
-            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status()))
+            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(time.time())))
             self._close()
 
     def _drain(self) -> None:
@@ -198,6 +203,13 @@ class ArbiterProcess:
             log.exception(**_ev("handler_error", name=self.me.name, count=self.errors))
 
     def _log_role(self) -> None:
+        generation = self.core.seen_epoch // self.core.arbiters
+        if generation > self._generation:  # led or heard of: a restart starts above it
+            try:
+                self._generation = keep_generation(self.cluster.state_dir, f"arbiter-{self.me.name}", generation)
+            except IncarnationError as e:  # a restart may then lead below it: hosts wait, then forget it
+                self._generation = generation
+                log.error(**_ev("generation_not_kept", name=self.me.name, error=str(e)))
         role = f"{self.core.role}/{self.core.epoch}"
         if role != self._role:
             self._role = role

@@ -114,6 +114,12 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     takeover_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
     arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # requests/s a host may send
     arbiter_burst_per_host: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
+    # "broadcast": every agent keeps a replica of the table (scope above says of which part).
+    # "arbiter": agents keep none; they ask the [[arbiters]] (ark arbiter) for every lease.
+    control: Literal["broadcast", "arbiter"] = "broadcast"
+    # Arbiter mode: a request unanswered this long goes to the next arbiter; none answering,
+    # the lease is plain ECMP (and says so) until one leads again.
+    arbiter_timeout_s: Annotated[float, msgspec.Meta(ge=0.001, le=10)] = 0.1
 
     def __post_init__(self) -> None:
         one_of("policy", self.policy, POLICIES)
@@ -319,6 +325,9 @@ def from_dict(d: dict[str, Any], base: Path | None = None) -> Cluster:
                 raise ClusterError(f"hosts[{i}].{what}: the same as hosts[{seen[v]}]'s; every host needs its own")
             seen[v] = i
     arbiters = _arbiters(f, base)
+    if f.cluster.control == "arbiter" and not arbiters:
+        raise ClusterError('control: "arbiter" needs the arbiters listed: add [[arbiters]] (name, control, public_key, '
+                           'secret_key_file), primary first')
     settings = msgspec.structs.asdict(f.cluster)
     settings.update(pathmap_dir=_resolve(f.cluster.pathmap_dir, base), routers_file=_resolve(f.cluster.routers_file, base),
                     state_dir=_resolve(f.cluster.state_dir, base))

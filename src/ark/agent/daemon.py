@@ -42,6 +42,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ark.agent.api import API_MAX_BYTES, LocalApi, lease_dict
+from ark.agent.arbiter_link import ArbiterForwarder
 from ark.agent.cluster import Cluster, HostEntry
 from ark.agent.holders import Holders, peer_pid
 from ark.agent.incarnation import IncarnationError, next_incarnation
@@ -83,6 +84,8 @@ class Agent:
         # Scoped: only the senders whose flows can share a link with ours (ark.core.scope).
         self.scope_links = None if scope is None else scope.links(self.me.index)
         talk = None if scope is None else scope.peers(self.me.index)
+        if cluster.control == "arbiter":  # no replica: nobody to tell, the arbiters decide
+            talk = frozenset()
         self.peers = {h.index: h for h in cluster.hosts if h.index != self.me.index and (talk is None or h.index in talk)}
         for i, h in enumerate(cluster.hosts):
             check_resolvable(h.control, f"hosts[{i}].control")
@@ -94,6 +97,7 @@ class Agent:
             raise AgentError(str(e)) from None
         self.node = self._node(incarnation)
         self.api = LocalApi(self)
+        self.arbiter = ArbiterForwarder(self) if cluster.control == "arbiter" else None
         self.refresher = PathRefresher(cluster, self.me.name)
         self._stop = False
         self._up: dict[int, bool] = {}
@@ -167,12 +171,14 @@ class Agent:
             self.poller.register(sock, zmq.POLLIN)
             if sock is not self.inbox:
                 self.poller_no_peers.register(sock, zmq.POLLIN)
+        if self.arbiter is not None:
+            self.arbiter.open(ctx, [self.poller, self.poller_no_peers])
         if self.me.metrics_port is not None:
             self.http = MetricsServer(self.me.metrics_port, self._render_metrics, [self.poller, self.poller_no_peers])
 
     def _close(self) -> None:
         # Also after a start that failed half-way: close what was opened, nothing else.
-        for part in (getattr(self, "guard", None), getattr(self, "holders", None), self.http):
+        for part in (getattr(self, "guard", None), getattr(self, "holders", None), self.http, self.arbiter):
             if part is not None:
                 part.close()
         for s in [getattr(self, "inbox", None), getattr(self, "api_sock", None), *getattr(self, "out", {}).values()]:
@@ -220,6 +226,8 @@ class Agent:
         """Whatever is due: the node's tick, peer liveness, the periodic path check, readiness."""
         if now >= self.node.next_deadline(now):
             self.emit(self.node.tick(now))
+        if self.arbiter is not None:
+            self.arbiter.tick(now)
         self._watch_peers(now)
         if self.cluster.probe_check_s:
             self.refresher.maybe_check(now)
@@ -230,7 +238,8 @@ class Agent:
         if self.node.ready and not self._was_ready:
             self._was_ready = True
             log.info(**_ev("ready", host=self.me.name, synced=[p for p, st in self.node.peers.items() if st.synced]))
-        self._timers_at = min(self.node.next_deadline(now), self.refresher.next_check, self._peer_deadline())
+        self._timers_at = min(self.node.next_deadline(now), self.refresher.next_check, self._peer_deadline(),
+                              self.arbiter.next_deadline() if self.arbiter is not None else math.inf)
 
     def _wait_and_drain(self) -> None:
         # A signal interrupts the poll; 1 s at most keeps a stop request prompt regardless.
@@ -257,11 +266,14 @@ class Agent:
             # so that one wakeup serves several. Quiet: the next message is handled at once.
             if self._arrivals.add(n, now) * self.cluster.batch_s > 1.0:
                 self._peers_due = now + self.cluster.batch_s
+        if self.arbiter is not None:
+            self.arbiter.drain(events)
         if self.refresher.wake_r in events:
             for rid, res in self.refresher.results():
                 self.finish_refresh(rid, res)
-        if events:  # what arrived may have brought a deadline forward (a sync sent, a lease)
-            self._timers_at = min(self._timers_at, self.node.next_deadline(time.time()))
+        if events:  # what arrived may have brought a deadline forward (a sync sent, a lease, a request out)
+            self._timers_at = min(self._timers_at, self.node.next_deadline(time.time()),
+                                  self.arbiter.next_deadline() if self.arbiter is not None else math.inf)
 
     def _drain_peers(self, limit: int = 1024, slice_: int = 16) -> int:
         """Handle waiting peer messages (how many); every ``slice_`` of them, serve the local
@@ -395,8 +407,10 @@ class Agent:
     def reload(self, now: float) -> list[dict[str, Any]]:
         """Use the path-map files as they are now; re-path reservations whose port moved."""
         self.maps.clear()
-        repathed, outs = self.node.reload_pathmaps(now)
+        repathed, outs = self.node.reload_pathmaps(now, rereserve=self.arbiter is None)
         self.emit(outs)
+        if self.arbiter is not None:  # kept their ports, unreserved: the arbiter lets them go
+            self.arbiter.drop(list(repathed))
         self.refresher.repathed += len(repathed)
         log.info(**_ev("maps_reloaded", host=self.me.name, repathed=[list(f) for f in repathed]))
         return [{"old": list(f), "lease": lease_dict(ls)} for f, ls in repathed.items()]
@@ -415,6 +429,8 @@ class Agent:
         """Release the flows of local clients whose process is gone (:mod:`ark.agent.holders`)."""
         local = set(self.node.local_flows())
         for flow in self.holders.sweep(lambda f: self.node.resolve(f) in local):
+            if self.arbiter is not None:
+                self.arbiter.drop(self.arbiter.reserved_of([flow]))
             try:
                 self.emit(self.node.release(flow, now))
             except CoreError:  # released or expired meanwhile

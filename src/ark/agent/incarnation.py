@@ -38,30 +38,48 @@ class IncarnationError(RuntimeError):
 
 def next_incarnation(state_dir: str | Path, host: str, clock: Callable[[], float] = time.time) -> int:
     """Read the previous incarnation of ``host``, store and return the next one."""
-    d = Path(state_dir)
-    path = d / f"{host}.incarnation"
+    path = Path(state_dir) / f"{host}.incarnation"
     try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        prev = _read(path)
-        now = int(clock()) - EPOCH
-        inc = max(prev + 1, now, 1)
+        Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        inc = max(_read(path) + 1, int(clock()) - EPOCH, 1)
         if inc > MAX_INCARNATION:
             raise IncarnationError(f"state_dir: incarnation {inc} of {host} exceeds {MAX_INCARNATION}; "
                                    f"reset {path} only when every peer has been restarted")
-        tmp = path.with_name(f".{path.name}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{inc}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        with contextlib.suppress(OSError):  # the rename itself must survive a crash
-            dfd = os.open(d, os.O_RDONLY)
-            os.fsync(dfd)
-            os.close(dfd)
+        _store(path, inc)
     except OSError as e:
         raise IncarnationError(f"state_dir: cannot keep {path}: {e.strerror}") from None
     return inc
+
+
+def keep_generation(state_dir: str | Path, name: str, generation: int) -> int:
+    """An arbiter's generation counter: store ``generation`` if above the stored one, and
+    return the larger. An arbiter stores each generation it leads or hears of, and starts
+    one above the stored value, so that a restart never leads with an epoch hosts have
+    seen (a missing file starts at 0: hosts then wait until they forget the old epoch)."""
+    path = Path(state_dir) / f"{name}.generation"
+    try:
+        Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+        prev = _read(path)
+        if generation > prev:
+            _store(path, generation)
+    except OSError as e:
+        raise IncarnationError(f"state_dir: cannot keep {path}: {e.strerror}") from None
+    return max(prev, generation)
+
+
+def _store(path: Path, value: int) -> None:
+    """Written atomically and fsynced, the rename too, before the value is used."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{value}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):  # the rename itself must survive a crash
+        dfd = os.open(path.parent, os.O_RDONLY)
+        os.fsync(dfd)
+        os.close(dfd)
 
 
 def _read(path: Path) -> int:

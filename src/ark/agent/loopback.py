@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -64,6 +64,7 @@ def write_cluster(
     arbiters: int = 0,
     gpus_per_leaf: int | None = None,
     takeover_s: float = 1.0,
+    control: Literal["broadcast", "arbiter"] = "broadcast",
 ) -> tuple[Path, list[str]]:
     """Keys and a cluster file for ``n`` agents on a 2-leaf fabric with ``spines`` spines.
 
@@ -72,7 +73,8 @@ def write_cluster(
     the names it sends KV flows to) makes the cluster scoped (``scope = "declared"``).
     ``metrics``: every host gets a ``metrics_port`` too. ``arbiters``: that many
     ``[[arbiters]]`` (``arb0``, ...; keys beside the hosts'). ``gpus_per_leaf``: a larger
-    fabric than the hosts need (the others have no entry).
+    fabric than the hosts need (the others have no entry). ``control = "arbiter"``: the
+    agents ask the arbiters (give ``arbiters`` >= 1).
     """
     total = n + extra_hosts
     per_leaf = max(1, math.ceil(total / 2), gpus_per_leaf or 0)
@@ -89,7 +91,8 @@ def write_cluster(
                                peer_timeout_s=max(1.0, 2 * heartbeat_s), sync_timeout_s=1.0,
                                max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state", peer_rate=peer_rate,
                                max_flows_per_host=max_flows_per_host, retention_s=retention_s,
-                               scope="full" if sends_to is None else "declared", takeover_s=takeover_s)
+                               scope="full" if sends_to is None else "declared", takeover_s=takeover_s,
+                               control=control)
     arbs = []
     for r in range(arbiters):
         kp = create_keypair(workdir / "keys", f"arb{r}")

@@ -108,13 +108,19 @@ def status(cluster_path: str, host: str, as_json: bool) -> None:
 @click.option("--peer", help="Destination host.")
 @click.option("--dport", type=click.IntRange(0, 65535), default=None, help="Destination port (default: the cluster's).")
 @click.option("--engines", is_flag=True, help="Only say what each transfer engine can take (no cluster needed).")
-def ports(cluster_path: str | None, host: str | None, peer: str | None, dport: int | None, engines: bool) -> None:
+@click.option("--roce", is_flag=True,
+              help="Per path, the ports a RoCEv2 flow label reaches (0xC000-0xFFFF) and the label of each.")
+@click.option("--limit", type=click.IntRange(1), default=8, show_default=True, help="--roce: ports shown per path.")
+@click.option("--json", "as_json", is_flag=True, help="--roce: every port and label, as JSON.")
+def ports(cluster_path: str | None, host: str | None, peer: str | None, dport: int | None, engines: bool,
+          roce: bool, limit: int, as_json: bool) -> None:
     """One source port per path from HOST to PEER, comma-separated; and what engines can take.
 
     No engine takes a per-peer or per-transfer port list today. Mooncake's MC_MLX5_QP_UDP_SPORTS
     is one process-wide list (QP i of every peer's endpoint gets list[i % n]), read only by
     source builds with USE_MLX5DV=ON; its TCP transport is steered per transfer by
-    ark.integrations.mooncake. `--engines` prints the whole table.
+    ark.integrations.mooncake, and RDMA engines' QPs by the verbs interposer
+    (ark.integrations.verbs, flow labels: `--roce`). `--engines` prints the whole table.
     """
     if engines:
         _engine_table()
@@ -126,11 +132,42 @@ def ports(cluster_path: str | None, host: str | None, peer: str | None, dport: i
     me, other = cl.host(str(host)), cl.host(str(peer))
     d = cl.dport if dport is None else dport
     pm = cl.pathmaps()(me.index, other.index, d)
+    if roce:
+        _roce_ports(pm, f"{host} to {peer} (dport {d})", limit, as_json)
+        return
     click.echo(",".join(str(p) for p in pm.static_ports() if p >= 0))
     click.echo(f"one source port per path from {host} to {peer} (dport {d}), for this peer only. Mooncake RDMA: "
                "MC_MLX5_QP_UDP_SPORTS is one process-wide list, QP i of every peer's endpoint gets list[i % n], "
                "read only by source builds with USE_MLX5DV=ON; no engine takes a per-transfer port today except "
                "Mooncake TCP through ark.integrations.mooncake. See `ark ports --engines`.", err=True)
+
+
+def _roce_ports(pm: Any, what: str, limit: int, as_json: bool) -> None:
+    """Per path, its ports a GRH flow label reaches and their labels (``rdma_flow_label_to_udp_sport``'s inverse)."""
+    from ark.core.roce import ROCE_SPORT_MAX, ROCE_SPORT_MIN, flow_label_for_sport
+
+    lo, hi = pm.port_range
+    if hi < ROCE_SPORT_MIN:
+        raise click.ClickException(f"port_range: {lo}-{hi} holds no port {ROCE_SPORT_MIN}-{ROCE_SPORT_MAX}, the only "
+                                   "ones a RoCEv2 flow label reaches")
+    paths = [[int(p) for p in b if p >= ROCE_SPORT_MIN] for b in pm.buckets]
+    if as_json:
+        click.echo(json.dumps({"src": pm.src_ip, "dst": pm.dst_ip, "dport": pm.dport, "probed": pm.sampled,
+                               "port_range": [max(lo, ROCE_SPORT_MIN), hi],
+                               "paths": [{"path": k, "ports": ps, "flow_labels": [flow_label_for_sport(p) for p in ps]}
+                                         for k, ps in enumerate(paths)]}))
+        return
+    t = Table(title=f"RoCEv2 source ports per path from {what}: ports {max(lo, ROCE_SPORT_MIN)}-{hi}"
+                    + (" (probed ports only)" if pm.sampled else ""))
+    for col in ("path", "ports", "port (flow label)"):
+        t.add_column(col, overflow="fold")
+    for k, ps in enumerate(paths):
+        shown = ", ".join(f"{p} (0x{flow_label_for_sport(p):05x})" for p in ps[:limit])
+        t.add_row(str(k), str(len(ps)), shown + (", ..." if len(ps) > limit else "") or "none")
+    out.print(t)
+    out.print("A QP given the flow label at INIT -> RTR sends from that port (Linux rdma_get_udp_sport: mlx5 since "
+              "5.8, rxe, irdma, hns since 2022). The verbs interposer sets it for engines "
+              "(`python -m ark.integrations.verbs -- CMD`); see docs/engines/roce.md.", highlight=False)
 
 
 def _engine_table() -> None:
@@ -139,10 +176,13 @@ def _engine_table() -> None:
     from ark.integrations.catalog import ENGINES
 
     t = Table(title="what each transfer engine lets a caller choose about source ports", show_lines=True)
-    for col in ("engine", "transport", "setting", "applies to", "ARK today", "per-transfer steering needs"):
-        t.add_column(col, overflow="fold")
+    # A setting is copied as it is: wide enough that no name of one is cut in two.
+    widest = max(len(w) for e in ENGINES for w in e.knob.replace(",", " ").split())
+    for col in ("engine", "transport", "setting", "applies to", "ARK today (checked how)", "per-transfer steering needs"):
+        t.add_column(col, overflow="fold", min_width=widest + 1 if col == "setting" else None)
     for e in ENGINES:
-        t.add_row(*(escape(v) for v in (e.engine, e.transport, e.knob, e.scope, e.ark_today, e.per_transfer_needs)))
+        today = e.ark_today + (f" (checked: {e.verified})" if e.verified else "")
+        t.add_row(*(escape(v) for v in (e.engine, e.transport, e.knob, e.scope, today, e.per_transfer_needs)))
     out.print(t)
 
 
@@ -154,18 +194,33 @@ def _engine_table() -> None:
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--hog", "hogs", type=click.IntRange(0, 64), default=0, show_default=True,
               help="Busy processes beside the agents all along (an overloaded host).")
+@click.option("--control", type=click.Choice(["broadcast", "arbiter"]), default="broadcast", show_default=True,
+              help="arbiter: the agents ask a primary and a standby arbiter, and the primary is SIGKILLed halfway.")
+@click.option("--takeover", "takeover_s", type=FiniteRange(min=0.1, max=60), default=1.0, show_default=True,
+              help="Arbiter mode: the standby leads after this much silence (s).")
 @click.option("--json", "as_json", is_flag=True)
-def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, hogs: int, as_json: bool) -> None:
+def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, hogs: int, control: str,
+                takeover_s: float, as_json: bool) -> None:
     """Start N real agents on loopback, drive reserve/release cycles, report."""
     from ark.agent.loopback import run_cluster
 
     if kill >= agents:
         raise click.BadParameter(f"must be below --agents ({agents})", param_hint="--kill")
-    res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s, hogs=hogs)
+    if control == "arbiter":
+        if kill or hogs:
+            raise click.BadParameter("not with --control arbiter (its primary arbiter is what is killed)",
+                                     param_hint="--kill/--hog")
+        from ark.agent.arbiter_run import run_arbiter_cluster
+
+        res = run_arbiter_cluster(agents, flows, seed=seed, lease_min_s=lease_min_s, takeover_s=takeover_s)
+        title = f"{agents} agents asking 2 arbiters on loopback, {flows} any-to-any cycles, primary SIGKILLed halfway"
+    else:
+        res = run_cluster(agents, flows, kill, seed=seed, lease_min_s=lease_min_s, hogs=hogs)
+        title = f"{agents} agents on loopback, {flows} reserve+release cycles, {kill} killed"
     if as_json:
         click.echo(json.dumps(res, indent=1))
         return
-    t = Table(title=f"{agents} agents on loopback, {flows} reserve+release cycles, {kill} killed")
+    t = Table(title=title)
     t.add_column("measure")
     t.add_column("value", justify="right")
     for k, v in res.items():

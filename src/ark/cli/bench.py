@@ -335,3 +335,28 @@ def bench_steer(connections: int, rounds: int, as_json: bool) -> None:
     out.print(t)
     out.print(f"loaded but steering nothing (idle - plain, two processes): {res['preload_us']:+.2f} us; "
               f"target: <= {res['target_us']} us per steered connection")
+
+
+@bench.command("verbs")
+@click.option("--calls", type=click.IntRange(1, 4000), default=2000, show_default=True, help="QP connects per mode and round.")
+@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def bench_verbs(calls: int, rounds: int, as_json: bool) -> None:
+    """Per-QP cost of the verbs interposer (ibv_modify_qp INIT -> RTR, against a stand-in libibverbs)."""
+    from ark.integrations.verbsbench import bench as verbs_bench
+
+    res = verbs_bench(calls, rounds)
+    if as_json:
+        click.echo(json.dumps(res, indent=1))
+        return
+    t = Table(title=f"ibv_modify_qp INIT -> RTR, {calls} calls x {rounds} rounds per mode (medians of rounds), "
+                    "stand-in libibverbs")
+    for c in ("mode", "median", "p99", "overhead vs idle"):
+        t.add_column(c, justify="left" if c == "mode" else "right")
+    for mode, m in res["modes"].items():
+        over = res["overhead_us"].get(mode)
+        t.add_row(mode, f"{m['median_us']:.3f} us", f"{m['p99_us']:.3f} us", "—" if over is None else f"{over:+.3f} us")
+    out.print(t)
+    out.print(f"loaded but steering nothing (idle - plain, two processes): {res['preload_us']:+.3f} us; "
+              f"target: < {res['target_us']} us per steered QP. The stand-in only records; a real "
+              "ibv_modify_qp adds the driver's system call, the same with or without ARK.")

@@ -1,5 +1,5 @@
 """``ark race-window``: races, moved flows and ARK's gain against the control plane's delay,
-jitter, clock skew and path."""
+jitter, clock skew and path, and against the request round trip to one arbiter."""
 
 from __future__ import annotations
 
@@ -23,16 +23,18 @@ from ark.cli.common import (
 
 
 def _sweep(text: str | None, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
-    """A sweep's points (an empty list skips that sweep); the delays must be > 0 and given."""
+    """A sweep's points (an empty list skips that sweep); the delays must be > 0 and given,
+    the others >= 0 (an arbiter round trip of 0 is the one-decider bound)."""
     delays = name == "--delays"  # the zero-delay reference is run anyway
     vals = number_list(text, name, positive=delays, nonempty=delays)
     return default if vals is None else vals
 
 
 # What the sweep sets itself, and the option that sets it instead of --set.
-_POINTS = "--delays, --jitters, --skews or --queues"
+_POINTS = "--delays, --jitters, --skews, --queues or --arbiter-rtt"
 _SWEPT = {"network.control_delay_us": _POINTS, "network.control_jitter_us": _POINTS, "network.clock_skew_us": _POINTS,
-          "network.control_path": _POINTS, "network.data_queue_kb": _POINTS, "workload.qps": "--qps",
+          "network.control_path": _POINTS, "network.data_queue_kb": _POINTS, "network.control": _POINTS,
+          "network.arbiter_rtt_us": _POINTS, "workload.qps": "--qps",
           "workload.requests": "--requests", "experiment.seeds": "--seeds", "experiment.schemes": "--schemes"}
 
 
@@ -54,6 +56,8 @@ def _check_set(key: str) -> None:
 @click.option("--skews", help="Clock skews at a 20 us delay, us (default 10,100,1000,10000; empty: none).")
 @click.option("--queues", help="In-band control: standing queue per congested hop, kB (default 100,1000,10000; "
                                "empty: none).")
+@click.option("--arbiter-rtt", "rtts", help="One arbiter deciding for every host: request round trips to sweep, us "
+                                           "(default 0,50,200,1000,5000; empty: none).")
 @click.option("--schemes", default="ark,ark-split", show_default=True, help="ARK schemes to sweep.")
 @click.option("--qps", type=FiniteRange(min=0, min_open=True), default=25.0, show_default=True)
 @click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
@@ -63,10 +67,11 @@ def _check_set(key: str) -> None:
 @click.option("--figures", "fig_dir", type=click.Path(file_okay=False), help="Write the figure here (default: --out).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | None, jitters: str | None, skews: str | None,
-                queues: str | None, schemes: str, qps: float, requests: int, seeds: str, out_dir: str, jobs: int | None,
-                fig_dir: str | None, as_json: bool) -> None:
+                queues: str | None, rtts: str | None, schemes: str, qps: float, requests: int, seeds: str, out_dir: str,
+                jobs: int | None, fig_dir: str | None, as_json: bool) -> None:
     """The race window: races per 1,000 flows, flows moved and the FCT cost against a zero-delay
-    control plane, sweeping delay (1 us - 1 s), jitter, clock skew and in-band control."""
+    control plane, sweeping delay (1 us - 1 s), jitter, clock skew and in-band control, and
+    the request round trip to one arbiter (no races)."""
     from ark.cli import plots
     from ark.sim import racewindow as rw
     from ark.sim.engine import ARK_SCHEMES
@@ -81,7 +86,8 @@ def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | No
     assert sd is not None  # --seeds has a default
     cfg = rw.race_config(requests, sd, qps, base=base)
     pts = rw.race_points(_sweep(delays, "--delays", rw.DELAYS_US), _sweep(jitters, "--jitters", rw.JITTERS_US),
-                         _sweep(skews, "--skews", rw.SKEWS_US), _sweep(queues, "--queues", rw.QUEUES_KB))
+                         _sweep(skews, "--skews", rw.SKEWS_US), _sweep(queues, "--queues", rw.QUEUES_KB),
+                         _sweep(rtts, "--arbiter-rtt", rw.ARBITER_RTTS_US))
     with run_progress(len(cfg.seeds) * (1 + len(pts) * len(names)), disable=as_json) as tick:
         rows = rw.run_race_window(cfg, pts, names, jobs or jobs_default(), tick)
     od = Path(out_dir)
@@ -97,13 +103,15 @@ def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | No
         click.echo(payload)
         return
     t = Table(title="race window (races and moved flows per 1,000 flows)")
-    for c in ("sweep", "delay us", "jitter us", "skew us", "queue kB", "scheme", "races", "moved", "mean FCT",
-              "vs zero delay", "gain vs ECMP"):
+    for c in ("sweep", "delay us", "jitter us", "skew us", "queue kB", "arbiter RTT us", "scheme", "races", "moved",
+              "mean FCT", "vs zero delay", "gain vs ECMP"):
         t.add_column(c, justify="left" if c in ("sweep", "scheme") else "right")
     for r in rows:
         if r["scheme"] != "ecmp":
-            t.add_row(r["sweep"], f"{r['delay_us']:g}", f"{r['jitter_us']:g}", f"{r['skew_us']:g}",
-                      f"{r['queue_kb']:g}" if r["control_path"] == "data-fabric" else "—", r["scheme"],
+            arb = r["control"] == "arbiter"
+            t.add_row(r["sweep"], "—" if arb else f"{r['delay_us']:g}", f"{r['jitter_us']:g}", f"{r['skew_us']:g}",
+                      f"{r['queue_kb']:g}" if r["control_path"] == "data-fabric" else "—",
+                      f"{r['rtt_us']:g}" if arb else "—", r["scheme"],
                       f"{r['races_per_1000']:.1f}", f"{r['moved_per_1000']:.1f}", f"{r['fct_mean_s'] * 1e3:.0f} ms",
                       f"{100 * r['fct_change']:+.1f}%", f"{100 * r['gain_vs_ecmp']:+.1f}%")
     out.print(t)

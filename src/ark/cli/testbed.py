@@ -146,12 +146,15 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 @click.option("--ecmp-agents/--no-ecmp-agents", default=True, show_default=True,
               help="Start the agents in ECMP runs too, unused, so that every scheme pays their CPU on this shared "
                    "machine (off: ECMP runs without agents, an unfair control).")
+@click.option("--control", type=click.Choice(["broadcast", "arbiter"]), default="broadcast", show_default=True,
+              help="arbiter: the agents keep no replica and ask a primary and a standby arbiter (run in the first "
+                   "and the last host's namespace).")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Also write every record (flows included) as JSON.")
 @click.option("--prefix", default="ark", show_default=True)
 @click.option("--state-dir", help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
 def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
-           engine: str, instances: int, vllm_requests: int, buffers: int, parts: int, ecmp_agents: bool,
+           engine: str, instances: int, vllm_requests: int, buffers: int, parts: int, ecmp_agents: bool, control: str,
            out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark.testbed import run as tr
@@ -161,7 +164,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     st = _state(prefix, state_dir)
     progress = (lambda m: err.print(f"[dim]{m}[/]", highlight=False)) if not as_json else (lambda m: None)
     runs = [tr.RunParams(scheme=scheme, requests=requests, qps=qps, seed=seed, sample=sample, fail_link=failure,
-                         engine=engine, buffers=buffers, parts=parts, ecmp_agents=ecmp_agents)
+                         engine=engine, buffers=buffers, parts=parts, ecmp_agents=ecmp_agents, control=control)
             for seed, scheme in tr.interleaved(seed_list, schemes or ("ecmp", "ark"))]
     for p in runs:
         p.check(st)
@@ -178,6 +181,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
         click.echo(json.dumps(_clean(records[0] if len(records) == 1 else {"runs": records, **summary})))
         return
     who = "" if engine == "builtin" else f", Mooncake engines ({buffers} request(s) per flow)"
+    who += ", agents asking arbiters" if control == "arbiter" else ""
     t = Table(title=f"testbed: {requests} requests at QPS {qps:g} (offered load {records[0]['offered_load']:.2f}), "
                     f"links {records[0]['link_mbps']:g} Mbit/s{who}")
     cols = ["scheme", "seed", "mean FCT s", "P95 FCT s", "sim mean s", "CPU busy", "errors", "flows/spine",

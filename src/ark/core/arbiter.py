@@ -35,7 +35,7 @@ Transitions (``_LEADING``/``_FOLLOWING``) all go through :meth:`Arbiter._become`
 Every flow id carries the epoch that granted it (``seq = epoch << 32 | n``). A new leader
 takes renewals only of flows its table holds: those it followed, and those a host
 registers again (:class:`~ark.core.arbiter_wire.Register`), each judged like a new request
-that prefers its old path. What an old leader granted and nobody registered ends with its
+on its old path only. What an old leader granted and nobody registered ends with its
 lease.
 
 Bounds (what one listed host can make the arbiter keep or do): live flows per host
@@ -353,7 +353,9 @@ class Arbiter:
         return ts
 
     def _decide(self, host: int, st: _Host, dst: int, dport: int, nbytes: int, now: float, avoid: int, why: str,
-                flow: FlowId | None = None, prefer: int = -1) -> w.Part:
+                flow: FlowId | None = None, only: int = -1) -> w.Part:
+        """One part: ``only`` >= 0 keeps it to that path (a registered lease whose port
+        leads there) or plain ECMP."""
         flow = flow or self._flow(host)
         stages = self.table.stage_list(host, dst)
         if not stages:
@@ -364,11 +366,11 @@ class Arbiter:
             return self._ecmp(flow, why)
         n = len(stages[0])
         every = (1 << n) - 1
-        usable = every & ~avoid or every
-        sids = self.table.pair_sids(host, dst)
-        path = self.table.lowest_free(sids, n, 1 << prefer) if 0 <= prefer < n else None
-        if path is None:
-            path = self.table.lowest_free(sids, n, usable)
+        if only >= n:
+            self.counters.invalid += 1
+            return self._ecmp(flow, "no such path")
+        usable = 1 << only if only >= 0 else every & ~avoid or every
+        path = self.table.lowest_free(self.table.pair_sids(host, dst), n, usable)
         shared = False
         if path is None:
             if self.policy not in SHARING_POLICIES:
@@ -445,7 +447,8 @@ class Arbiter:
 
     def _register(self, host: int, st: _Host, held: w.Held, now: float) -> w.Part:
         """A lease the host holds from an earlier leader: kept if this table holds it,
-        else judged as a new request that prefers its old path (its id is kept)."""
+        else judged as a new request on its old path only (the host's port leads there;
+        its id is kept): taken, shared, or plain ECMP."""
         self.counters.registered += 1
         flow = held.flow
         if not self._owned(host, flow) or held.dst >= self.routes.n_hosts or held.dst == host:
@@ -460,8 +463,7 @@ class Arbiter:
             self.counters.unknown += 1
             return w.Part(flow, 0, False, False, 0.0, "unknown")
         why = "" if self._within_rate(st, now) else RATE_LIMITED
-        return self._decide(host, st, held.dst, held.dport, held.nbytes, now, 0, why, flow=flow,
-                            prefer=held.path)
+        return self._decide(host, st, held.dst, held.dport, held.nbytes, now, 0, why, flow=flow, only=held.path)
 
     def _reply(self, host: int, msg: w.ToHost) -> ArbiterOut:
         return ArbiterOut(host, -1, w.encode(msg))
@@ -559,7 +561,14 @@ class Arbiter:
                 self._host(f[0], now).live.add(f)
 
     # ------------------------------------------------------------------ views
-    def status(self) -> dict[str, object]:
-        return {"rank": self.rank, "epoch": self.epoch, "seen_epoch": self.seen_epoch, "role": self.role,
-                "synced": self.synced, "flows": len(self.table.table()), "counters": dict(self.counters.__dict__)}
+    def status(self, now: float | None = None) -> dict[str, object]:
+        """``flows``: reservations in the table (ended ones until forgotten); ``live``
+        (given ``now``): those neither released nor expired."""
+        st: dict[str, object] = {"rank": self.rank, "epoch": self.epoch, "seen_epoch": self.seen_epoch,
+                                 "role": self.role, "synced": self.synced, "flows": len(self.table.table())}
+        if now is not None:
+            st["live"] = sum(1 for f in self.table.entries() if (e := self.table.get(f)) is not None
+                             and e.released is None and e.end > now)
+        st["counters"] = dict(self.counters.__dict__)
+        return st
 

@@ -80,6 +80,7 @@ _KIND = {Reserve: 0, Renew: 1, Release: 2}
 CLOCK_SKEWED = "clock skewed"
 OUT_OF_SCOPE = "out of scope"
 RACE_LOST = "race lost"  # reserved, then a smaller key took every path (or its path's last port)
+PATH_MAP_CHANGED = "path map changed"  # its port now leads over another path than the one reserved
 # Leases beyond max_local_flows are kept nowhere: bit 62 of the seq marks one, and the bits
 # below hold its destination, destination port and source port, so that renew, lease and
 # release answer from the id alone. Kept flows' seqs (incarnation << 32) stay below it.
@@ -326,23 +327,24 @@ class Node:
     # ------------------------------------------------------------------ local API
     def reserve(
         self, dst: int, nbytes: int, now: float, dport: int = 4791, prefer_port: int | None = None,
-        *, avoid: int = 0,
+        *, avoid: int = 0, unreserved: str = "",
     ) -> tuple[Lease, list[Output]]:
         """A lease for a new local flow; plain ECMP (``Lease.fallback`` says why) whenever
         it cannot be reserved, a cap of this host included: only an invalid request or a
         node still resynchronising raises. ``avoid``: paths to stay off while others
-        remain (a bit mask, as :meth:`ArkCore.request`)."""
+        remain (a bit mask, as :meth:`ArkCore.request`). ``unreserved``: plain ECMP for
+        this reason (whoever decides cannot be asked)."""
         if not self.ready:
             raise NotReady("node: resynchronising with peers; retry shortly")
         if len(self._local) >= self.limits.max_local_flows:
             self.counters.untracked += 1
             return self._untracked_lease(dst, dport, *self.core.ecmp_port(dst, dport), now), []
         in_scope = self._covers(self.host, dst)
-        fence = "" if in_scope and not self.skewed else CLOCK_SKEWED if in_scope else OUT_OF_SCOPE
+        fence = unreserved or ("" if in_scope and not self.skewed else CLOCK_SKEWED if in_scope else OUT_OF_SCOPE)
         dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=not fence, avoid=avoid, why=fence)
         if not in_scope:
             self.counters.out_of_scope += 1
-        elif self.skewed and self.core.routes.stages(self.host, dst):  # a flow within a leaf reserves nothing anyway
+        elif self.skewed and not unreserved and self.core.routes.stages(self.host, dst):  # a flow within a leaf reserves nothing anyway
             self.counters.fenced_requests += 1
         self.events.extend(dec.events)
         expires = self._expiry(dec.flow, now, nbytes)
@@ -359,7 +361,7 @@ class Node:
         holds them as one."""
         if not 1 <= parts <= MAX_SPLIT_PARTS:
             raise CoreError(f"parts: must be 1..{MAX_SPLIT_PARTS}; got {parts}")
-        self.core._check_request(dst, nbytes, dport)
+        self.core.check_request(dst, nbytes, dport)
         q, r = divmod(int(nbytes), parts)
         leases: list[Lease] = []
         outs: list[Output] = []
@@ -371,6 +373,53 @@ class Node:
             if lease.path >= 0:  # an ECMP part of a probed map may lead over a path nobody knows (-1)
                 avoid |= 1 << lease.path
         return leases, outs
+
+    def place(
+        self, flow: FlowId, dst: int, nbytes: int, now: float, dport: int, path: int | None, *,
+        shared: bool = False, lease_s: float = math.inf, why: str = "",
+    ) -> Lease:
+        """A lease for a new local flow whose path an arbiter decided (``path`` None: plain
+        ECMP, ``why`` says why): the flow takes a port of that path, and the lease ends
+        when the arbiter's does (``lease_s`` from ``now``), unless renewed through it."""
+        if len(self._local) >= self.limits.max_local_flows:
+            self.counters.untracked += 1
+            return self._untracked_lease(dst, dport, *self.core.ecmp_port(dst, dport), now)
+        dec = self.core.place(flow, dst, nbytes, now, dport, path, shared=shared, lease_s=lease_s, why=why)
+        expires = self._expiry(dec.flow, now, nbytes)
+        self._local[dec.flow] = _Local(dst, dport, nbytes, expires, dec.why)
+        return self._lease(dec.flow)
+
+    def extend_to(self, flow: FlowId, lease_s: float, now: float) -> Lease:
+        """The arbiter renewed a placed flow: its lease now ends ``lease_s`` from ``now``."""
+        flow = self.resolve(flow)
+        lo = self._local.get(flow)
+        if lo is None:
+            return self._untracked_of(flow, now)
+        self.core.extend_to(flow, now + lease_s, now)
+        lo.expires = max(lo.expires, now + lease_s)
+        return self._lease(flow)
+
+    def unreserve(self, flow: FlowId, why: str, now: float) -> Lease:
+        """The flow keeps its port but holds no reservation any more (``why``): the
+        arbiter no longer holds it. Its lease stands until it ends or is renewed."""
+        flow = self.resolve(flow)
+        lo = self._local.get(flow)
+        if lo is None:
+            return self._untracked_of(flow, now)
+        if self.core.local_flows()[flow][3]:
+            self.events.extend(self.core.unreserve(flow, now).events)
+        lo.why = why
+        return self._lease(flow)
+
+    def reserved_leases(self, now: float) -> list[tuple[FlowId, int, int, int, int, bool, float]]:
+        """Live local reservations: (flow, dst, dport, path, nbytes, shared, seconds left)."""
+        out = []
+        for f, (dst, path, _port, reserved) in self.core.local_flows().items():
+            lo = self._local.get(f)
+            if reserved and lo is not None and lo.expires > now:
+                shared = bool((self.core.assignment(f) or (0.0, False, None, False))[3])
+                out.append((f, dst, lo.dport, path, lo.nbytes, shared, lo.expires - now))
+        return out
 
     def renew(self, flow: FlowId, now: float) -> tuple[Lease, list[Output]]:
         flow = self.resolve(flow)
@@ -437,7 +486,7 @@ class Node:
             flow = self._alias[flow]
         return flow
 
-    def reload_pathmaps(self, now: float) -> tuple[dict[FlowId, Lease], list[Output]]:
+    def reload_pathmaps(self, now: float, *, rereserve: bool = True) -> tuple[dict[FlowId, Lease], list[Output]]:
         """Take fresh path maps and re-path live reservations whose port moved.
 
         After a re-hash a reserved flow's port may lead over another spine than its
@@ -445,6 +494,8 @@ class Node:
         anew: on the path its port now leads to when that path is free (the port stays),
         else on a free path with a new port. Its old id stays valid for renew, release
         and lease_of, which answer with the new lease, so the owner learns any new port.
+        ``rereserve`` False (an arbiter decides, not this node): such a flow keeps its
+        port and gives up its reservation instead.
         """
         moved = self.core.reload_pathmaps()
         out: list[Output] = []
@@ -456,6 +507,9 @@ class Node:
             lo = self._local.get(f)
             if lo is None or not local[f][3]:
                 continue  # unreserved: the table says nothing about it
+            if not rereserve:  # an arbiter decides: the flow keeps its port, unreserved (the caller tells it)
+                repathed[f] = self.unreserve(f, PATH_MAP_CHANGED, now)
+                continue
             port = local[f][2]
             out += self._release(f, now)
             # Keep the port when the path it now leads to is free: nothing has to move.

@@ -288,7 +288,7 @@ class ArkCore:
         reports (``Decision.why``). A host at a cap of its own (:meth:`_capped`) gets plain
         ECMP too, never an error: only an invalid request raises.
         """
-        self._check_request(dst, nbytes, dport)
+        self.check_request(dst, nbytes, dport)
         self._settle()
         self.counters.requests += 1
         self._seq += 1
@@ -328,7 +328,47 @@ class ArkCore:
                 return self._ecmp(flow, dst, dport, buckets, f"no free port on path {path}")
         return self._reserve(flow, dst, dport, path, port, int(nbytes), float(now), shared)
 
-    def _check_request(self, dst: int, nbytes: int, dport: int) -> None:
+    def place(
+        self, flow: FlowId, dst: int, nbytes: int, now: float, dport: int, path: int | None, *,
+        shared: bool = False, lease_s: float = INF, why: str = "",
+    ) -> Decision:
+        """Record a local flow whose path someone else decided (an arbiter): ``flow`` is
+        the id it gave, ``path`` its path (None: plain ECMP, ``why`` says why). The flow
+        takes a source port of that path from this host's maps, and its reservation goes
+        into this table (which then holds only this host's flows: nothing is broadcast)."""
+        self.check_request(dst, nbytes, dport)
+        if flow in self._own or flow[0] != self.host:
+            raise CoreError(f"flow: {flow} is already a local flow or not this host's")
+        self._settle()
+        buckets = self._bucket(dst, dport)
+        if path is None:
+            return self._ecmp(flow, dst, dport, buckets, why)
+        if not 0 <= path < buckets.map.paths:
+            raise CoreError(f"path: must be 0..{buckets.map.paths - 1}; got {path}")
+        try:
+            port = buckets.take(path)
+        except PathMapError:
+            self.counters.fallbacks += 1
+            return self._ecmp(flow, dst, dport, buckets, f"no free port on path {path}")
+        rate = float(self.routes.path_rate_bps(self.host, dst, path))
+        msg = Reserve(flow, float(now), self.host, dst, dport, path, port, int(nbytes), rate, shared,
+                      float(now) + lease_s)
+        self._own[flow] = _Own(flow, dst, dport, path, port, True)
+        self._unreleased.add(flow)
+        self.counters.reserved += 1
+        self.sync(self._table.insert(msg))
+        self.flush()
+        return Decision(flow, dst, dport, path, port, flow_label_for_sport(port), reserved=True, shared=shared,
+                        fallback=shared, messages=())
+
+    def extend_to(self, flow: FlowId, expires: float, now: float) -> None:
+        """A local reservation's lease now ends at ``expires`` (an arbiter renewed it)."""
+        entry = self._table.get(flow)
+        if flow not in self._own or entry is None or entry.released is not None or expires <= entry.expires:
+            return
+        self._table.apply_renew(entry, Renew(flow, max(float(now), entry.msg.ts), expires))
+
+    def check_request(self, dst: int, nbytes: int, dport: int) -> None:
         """An invalid request: the only kind :meth:`request` refuses."""
         if not 0 <= dst < self._n_hosts or dst == self.host:
             raise CoreError(f"dst: must be another host 0..{self._n_hosts - 1}; got {dst}")
@@ -869,7 +909,7 @@ class ArkCore:
     def ecmp_port(self, dst: int, dport: int) -> tuple[int, int]:
         """(path, port): a random source port towards ``dst`` that no local flow holds, not
         claimed: for a flow this host keeps nowhere (``Node`` beyond ``max_local_flows``)."""
-        self._check_request(dst, 0, dport)
+        self.check_request(dst, 0, dport)
         buckets = self._bucket(dst, dport)
         port = self._random_port(buckets)
         buckets.give(port)
@@ -877,7 +917,7 @@ class ArkCore:
 
     def port_path(self, dst: int, dport: int, port: int) -> int:
         """The path a source port leads over towards ``dst`` (-1: the map does not know it)."""
-        self._check_request(dst, 0, dport)
+        self.check_request(dst, 0, dport)
         return self._bucket(dst, dport).map.path_of(port)
 
     def _give_back(self, own: _Own, ports: list[int]) -> None:

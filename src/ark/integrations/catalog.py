@@ -2,9 +2,11 @@
 
 ARK steers a flow by its source port (RoCEv2: the UDP source port, which a GRH flow label
 or ``mlx5dv_modify_qp_udp_sport`` sets; TCP: the port bound before ``connect()``). Per-transfer
-steering needs the engine to take a port (or flow label) per connection or QP, per transfer.
-This table says what each engine takes; ``ark ports --engines`` prints it and the docs pages
-under ``docs/engines/`` explain it.
+steering needs the engine to take a port (or flow label) per connection or QP, per transfer;
+without that, ARK's interposers set it from outside (``connect()`` for TCP, ``ibv_modify_qp``
+for RoCEv2). This table says what each engine takes and which route reaches it, and how far
+that was checked (``verified``); ``ark ports --engines`` prints it and the docs pages under
+``docs/engines/`` (RoCEv2: ``roce.md``) explain it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class EngineKnob:
     scope: str  # what one value of it applies to
     ark_today: str  # what ARK can do with it now
     per_transfer_needs: str  # what the engine would need for per-transfer steering
+    verified: str = ""  # how far ark_today was checked: real wire, stand-in, or only the engine's source
 
 
 ENGINES: tuple[EngineKnob, ...] = (
@@ -31,6 +34,7 @@ ENGINES: tuple[EngineKnob, ...] = (
         "per-transfer steering: ark.integrations.mooncake.SteeredTransferEngine + the connect() interposer "
         "(ark preload); pooled lanes (the default) are refused",
         "nothing more (the interposer binds each one-shot connection)",
+        "the mooncake-transfer-engine wheel over real TCP (tests/integrations/test_mooncake.py, the testbed)",
     ),
     EngineKnob(
         "Mooncake Transfer Engine", "RDMA (RoCEv2)",
@@ -38,17 +42,37 @@ ENGINES: tuple[EngineKnob, ...] = (
         "the whole process: QP i of every endpoint (every peer) gets list[i % n] through "
         "mlx5dv_modify_qp_udp_sport after RTS; read only by source builds with USE_MLX5DV=ON "
         "(the published wheels log that they ignore it)",
-        "a static spread: `ark ports --peer P` lists one port per path towards ONE peer; "
-        "the same list lands on every other peer's QPs, where its ports hash elsewhere",
+        "the verbs interposer (LD_PRELOAD, ark.integrations.verbs) with a rule installed per peer: its "
+        "transfer worker threads connect an endpoint's QPs on the first transfer to a peer and reuse them, so "
+        "they keep the path of the lease in force then (live re-path: mlx5 only); leave "
+        "MC_MLX5_QP_UDP_SPORTS unset, it overrides the flow label after RTS. Without the interposer: a "
+        "static spread, `ark ports --peer P` lists one port per path towards ONE peer",
         "a source port (or flow label) per QP chosen at transfer time, e.g. an argument of "
         "transfer_sync_write / batch_transfer_sync_write, or a per-endpoint list",
+        "stand-in libibverbs (linked calls, process rules); Mooncake's RTR and threads read in its source; "
+        "no real wire yet",
+    ),
+    EngineKnob(
+        "NCCL (net_ib)", "RDMA (RoCEv2)",
+        "NCCL_IBVERBS_LIB (the verbs library it dlopen()s)",
+        "every QP of the process: NCCL resolves each verbs function with dlvsym(handle, ..., \"IBVERBS_1.1\")",
+        "NCCL_IBVERBS_LIB naming libarkverbs.so (it depends on libibverbs.so.1, so the rest resolves there) "
+        "and a rule installed per peer: NCCL connects on its proxy thread, once per communicator and "
+        "channel, so QPs keep the path of the lease in force at connect time. LD_PRELOAD alone reaches only "
+        "builds with NCCL_BUILD_RDMA_CORE (linked verbs)",
+        "a flow label or source port per QP from the caller (per transfer, not per communicator)",
+        "stand-in libibverbs loaded through dlopen + dlvsym with NCCL's symbol list; no real wire yet",
     ),
     EngineKnob(
         "UCX (and NIXL over UCX)", "RDMA (RoCEv2)",
         "UCX_IB_ROCE_PATH_FACTOR, UCX_IB_NUM_PATHS",
         "every QP: source port 0xC000 | (path factor x path index), one port (65472) in practice",
-        "nothing",
+        "rc_verbs, and rc_mlx5 with UCX_IB_MLX5_DEVX_OBJECTS lacking rcqp (or UCX_IB_MLX5_DEVX=n), connect "
+        "through ibv_modify_qp: the verbs interposer (LD_PRELOAD, a rule installed per peer) sets their "
+        "label. rc_mlx5 with DEVX QPs (the default on mlx5) writes udp_sport itself and dc_mlx5 addresses "
+        "per operation: not reached",
         "a flow label or source port per endpoint / QP from the caller (NIXL has no such setting)",
+        "UCX's connect paths read in its source; nothing run",
     ),
     EngineKnob(
         "UCX (and NIXL over UCX)", "TCP",
@@ -63,6 +87,7 @@ ENGINES: tuple[EngineKnob, ...] = (
         "the process: rotates the UDP source port per QP",
         "nothing (ports are the engine's, not the caller's)",
         "a caller-chosen port per QP",
+        "not checked against its source",
     ),
     EngineKnob(
         "UCCL", "RDMA (RoCEv2)",
@@ -70,12 +95,25 @@ ENGINES: tuple[EngineKnob, ...] = (
         "the process: a base for its QPs' UDP source ports",
         "a static choice of the base only",
         "a caller-chosen port per QP",
+        "not checked against its source",
     ),
     EngineKnob(
         "NVSHMEM", "RDMA (RoCEv2)",
         "none",
         "every QP: 0xC000",
-        "nothing",
+        "nothing: whether its QPs connect through the host's ibv_modify_qp was not checked (GPU-initiated "
+        "IBGDA QPs bypass the host library)",
         "a caller-chosen port or flow label per QP",
+        "not checked against its source",
+    ),
+    EngineKnob(
+        "plain verbs programs (perftest, ibv_rc_pingpong, librdmacm users)", "RDMA (RoCEv2)",
+        "none",
+        "each QP, at INIT -> RTR",
+        "the verbs interposer (LD_PRELOAD): a rule entered by the connecting thread, installed for the "
+        "process, or given in ARK_VERBS_RULES",
+        "nothing more",
+        "stand-in libibverbs; scripts/roce-wire-check.py runs ibv_rc_pingpong over Soft-RoCE on the "
+        "testbed (needs rdma_rxe: not run on the machine this was written on)",
     ),
 )

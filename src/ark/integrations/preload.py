@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -59,26 +59,58 @@ def cache_dir() -> Path:
     return Path(os.environ.get("ARK_CACHE_DIR") or Path.home() / ".cache" / "ark")
 
 
-def library(build: bool = True) -> Path:
-    """The interposer's shared object for this source (compiled on first use)."""
-    src = source()
-    out = cache_dir() / f"{LIB_NAME}-{hashlib.sha256(src).hexdigest()[:12]}.so"
-    if out.exists() or not build:
-        return out
+def compiler() -> str:
+    """The C compiler ($CC, else cc or gcc on PATH)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise PreloadError("CC: no C compiler found (install gcc: scripts/install-mooncake-deps.sh)")
+    return cc
+
+
+BuildSteps = Sequence[Sequence[str]]
+
+
+def cached_path(stem: str, files: Mapping[str, bytes], steps: BuildSteps, suffix: str = ".so") -> Path:
+    """Where :func:`cached_build` puts the product of these files and steps."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + files[name] + b"\0")
+    h.update(repr([list(s) for s in steps]).encode())
+    return cache_dir() / f"{stem}-{h.hexdigest()[:12]}{suffix}"
+
+
+def cached_build(stem: str, files: Mapping[str, bytes], steps: BuildSteps, suffix: str = ".so",
+                 folder: bool = False) -> Path:
+    """Compile once per content: each step (the compiler's arguments) runs in a fresh folder
+    holding ``files`` and writes ``out`` (``folder``: products under ``out/``), which lands in
+    ``$ARK_CACHE_DIR``."""
+    out = cached_path(stem, files, steps, suffix)
+    if out.exists():
+        return out
+    cc = compiler()
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        c_file = Path(tmp) / "steer.c"
-        c_file.write_bytes(src)
-        so = Path(tmp) / out.name
-        cmd = [cc, "-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(so), str(c_file), "-ldl", "-lpthread"]
-        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if res.returncode != 0:
-            raise PreloadError(f"cc: building {out.name} failed: {res.stderr.strip().splitlines()[-1:]}")
-        so.replace(out)  # atomic: concurrent builders each rename a complete file
+        for name, data in files.items():
+            (Path(tmp) / name).write_bytes(data)
+        if folder:
+            (Path(tmp) / "out").mkdir()
+        for step in steps:
+            res = subprocess.run([cc, *step], cwd=tmp, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                raise PreloadError(f"cc: building {out.name} failed: {res.stderr.strip().splitlines()[-1:]}")
+        try:
+            (Path(tmp) / "out").replace(out)  # atomic: concurrent builders each rename a complete product
+        except OSError:
+            if not out.exists():  # a folder cannot replace another builder's: theirs is as good
+                raise
     return out
+
+
+def library(build: bool = True) -> Path:
+    """The interposer's shared object for this source (compiled on first use)."""
+    files = {"steer.c": source()}
+    steps = [["-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", "out", "steer.c", "-ldl", "-lpthread"]]
+    return cached_build(LIB_NAME, files, steps) if build else cached_path(LIB_NAME, files, steps)
 
 
 def preload_env(env: dict[str, str] | None = None, lib: Path | None = None) -> dict[str, str]:

@@ -30,8 +30,9 @@ import msgspec
 from ark.core.fabric_config import FabricConfig
 from ark.core.pathmap import ROCE_PORT_RANGE, PathMapError, check_port_range, parse_port_range
 from ark.core.schema import ConfigError, Count, NonNegative, Port, Positive, convert, one_of
+from ark.sim.arbiter_control import unsupported
 from ark.sim.balancers import TWO_TIER_ONLY, SchemeParams
-from ark.sim.engine import REPRODUCED, SCHEMES
+from ark.sim.engine import ARK_SCHEMES, REPRODUCED, SCHEMES
 from ark.sim.failure import FailureError, LinkChange
 from ark.sim.serving import GPUS, AffineLatency, Serving, latency_model
 from ark.sim.workload import MODELS, WorkloadError, model_spec
@@ -108,6 +109,11 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # queues (data_queue_kb at every switch egress that data keeps saturated).
     control_path: Literal["separate", "data-fabric"] = "separate"
     data_queue_kb: NonNegative = 100.0
+    # Who decides for the ARK schemes: every host on its own replica, hearing the others'
+    # messages control_delay_us late ("broadcast"), or one arbiter that each host asks
+    # and waits arbiter_rtt_us for (request round trip host -> arbiter -> host).
+    control: Literal["broadcast", "arbiter"] = "broadcast"
+    arbiter_rtt_us: NonNegative = 200.0
 
     def __post_init__(self) -> None:
         try:
@@ -117,6 +123,11 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
                 check_port_range(self.port_range)
         except PathMapError as e:
             raise ValueError(str(e)) from None
+        if self.control == "arbiter":
+            why = unsupported(jitter_s=self.control_jitter_us, skew_s=self.clock_skew_us,
+                              control_on_data=self.control_path == "data-fabric", link_down=False, parts=1)
+            if why:
+                raise ValueError(f"control: \"arbiter\" {why}")
 
     @property
     def source_ports(self) -> tuple[int, int]:
@@ -163,6 +174,13 @@ class ExperimentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
                 self.failure.check(self.fabric.build())
             except FailureError as e:
                 raise ValueError(str(e)) from None
+        if self.network.control == "arbiter" and any(s in ARK_SCHEMES for s in self.schemes):
+            split = "ark-split" in self.schemes
+            why = unsupported(jitter_s=0.0, skew_s=0.0, control_on_data=False,
+                              link_down=self.failure is not None and self.failure.down,
+                              parts=self.params.split.parts if split else 1)
+            if why:
+                raise ValueError(f"network.control: \"arbiter\" {why}")
 
     @property
     def schemes(self) -> tuple[str, ...]:

@@ -27,6 +27,9 @@ Schemes:
   (:meth:`ArkCore.request_split`). The switches still hash the chosen port; any
   disagreement with the reserved path is counted in ``path_mismatches``. The cores'
   timers fire at their own deadlines (:meth:`ArkCore.next_deadline`), never by polling.
+  With ``control="arbiter"`` no host runs a core: one :class:`ark.core.arbiter.Arbiter`
+  decides for all of them, a request round trip after each flow arrives
+  (:mod:`ark.sim.arbiter_control`); no races.
 * ``ecmp-split``: the same sub-flows on random source ports (what an engine with several
   connections gets without ARK).
 * ``plb``, ``letflow``, ``conga``, ``hedera``: the baselines of :mod:`ark.sim.balancers`.
@@ -62,6 +65,7 @@ from ark.core.pathmap import ROCE_PORT_RANGE, PathMap, PathMapCache, switch_path
 from ark.core.protocol import ArkCore, Decision, Repath
 from ark.core.table import POLICIES, ReservationTable
 from ark.core.topology import Fabric
+from ark.sim.arbiter_control import CONTROLS, ArbiterControl, Granted, unsupported
 from ark.sim.balancers import Balancer, SchemeParams, make_balancer
 from ark.sim.failure import FailedRoutes, LinkChange, RebuiltMaps
 from ark.sim.maxmin import FairShares, maxmin_rates
@@ -78,7 +82,7 @@ REPRODUCED = ("ecmp", "ark", "ark-balance", "spray")  # what an experiment runs 
 ARK_SCHEMES = POLICIES  # the schemes an ArkCore runs: its policies
 SPLIT_SCHEMES = ("ark-split", "ecmp-split")
 
-_START, _DELIVER, _TIMER, _RESUME, _LB, _CHANGE, _REBUILD = range(7)
+_START, _DELIVER, _TIMER, _RESUME, _LB, _CHANGE, _REBUILD, _ARBITER = range(8)
 MAP_CACHE = 1024  # path maps kept per simulation process (about 160 kB each)
 CONTROL_PORTS = (49152, 7100)  # source and destination port of the in-band control connection
 
@@ -133,6 +137,10 @@ class SimResult:
     # One-way delays the control messages met (in-band control: with the data's queues).
     control_delay_mean_s: float = 0.0
     control_delay_max_s: float = 0.0
+    # The control plane that ran: "broadcast" or "arbiter" (ARK schemes), "none" (the others);
+    # under "arbiter", the request round trip host -> arbiter -> host.
+    control: str = "none"
+    arbiter_rtt_s: float = 0.0
 
 
 class FluidSim:
@@ -159,11 +167,17 @@ class FluidSim:
         clock_skew_s: float = 0.0,
         control_on_data: bool = False,
         data_queue_bytes: float = 100e3,
+        control: str = "broadcast",
+        arbiter_rtt_s: float = 200e-6,
     ) -> None:
         if scheme not in SCHEMES:
             raise SimError(f"scheme: must be one of {', '.join(SCHEMES)}; got {scheme!r}")
         if control_delay_s < 0 or control_jitter_s < 0:
             raise SimError("control_delay_us: must be >= 0")
+        if control not in CONTROLS:
+            raise SimError(f"control: must be one of {', '.join(CONTROLS)}; got {control!r}")
+        if not (math.isfinite(arbiter_rtt_s) and arbiter_rtt_s >= 0):
+            raise SimError(f"arbiter_rtt_us: must be a finite number >= 0; got {arbiter_rtt_s * 1e6!r}")
         if chunks < 1 or chunk_gap_s < 0 or clock_skew_s < 0 or data_queue_bytes < 0:
             raise SimError("chunks: must be >= 1 (and chunk_gap_s, clock_skew_s, data_queue_bytes >= 0)")
         self.fabric, self.scheme = fabric, scheme
@@ -176,6 +190,16 @@ class FluidSim:
         self.chunks, self.chunk_gap = chunks, chunk_gap_s
         self.change = change
         self.control_on_data, self.data_queue = control_on_data, data_queue_bytes
+        # Only the ARK schemes have a control plane; the others ignore the mode.
+        self.control = control if scheme in ARK_SCHEMES else "none"
+        self.arbiter_rtt = arbiter_rtt_s
+        if self.control == "arbiter":
+            why = unsupported(jitter_s=control_jitter_s, skew_s=clock_skew_s, control_on_data=control_on_data,
+                              link_down=change is not None and change.down, parts=self._ask_parts())
+            if why:
+                raise SimError(f"control: \"arbiter\" {why}")
+        self._retention = retention_s
+        self.arbiter: ArbiterControl | None = None  # made per run (_reset)
         self._off = np.random.default_rng([seed, 2]).uniform(0, clock_skew_s, fabric.n_hosts).tolist() \
             if clock_skew_s > 0 else None
         base = pathmaps or PathMapCache(fabric, port_range, capacity=MAP_CACHE)
@@ -189,7 +213,12 @@ class FluidSim:
         self._handlers: dict[int, Callable[[Any], None]] = {
             _START: self._on_start, _DELIVER: self._on_deliver, _TIMER: self._on_timer, _RESUME: self._on_resume,
             _LB: self._on_balancer, _CHANGE: self._on_change, _REBUILD: self._on_rebuild,
+            _ARBITER: self._on_arbiter,
         }
+
+    def _ask_parts(self) -> int:
+        """Sub-flows per transfer: ``[params.split] parts`` under ``ark-split``, else 1."""
+        return self.params.split.parts if self.scheme in SPLIT_SCHEMES else 1
 
     def _make_cores(self, retention_s: float, shared_table: bool | None) -> None:
         fabric, scheme = self.fabric, self.scheme
@@ -203,14 +232,18 @@ class FluidSim:
             raise SimError("shared_table: needs control_jitter_us = 0, no clock skew and a separate control network "
                            "(otherwise every host holds its own replica)")
         self.table: ReservationTable | None = None
+        self._host_seeds: list[int] = []
         if scheme in ARK_SCHEMES:
+            # Each host's own stream (ECMP ports): its core's, or its side of the arbiter's.
             child = self.rng.integers(0, 2**63 - 1, fabric.n_hosts)
+            self._host_seeds = [int(c) for c in child]
+        if scheme in ARK_SCHEMES and self.control == "broadcast":
             if self.shared_table:
                 self.table = ReservationTable(fabric, policy=scheme, retention_s=retention_s)
             self.cores = [
                 # A host keeps source-port buckets only for peers it has flows to: the
                 # maps come from the (bounded) cache, so memory does not grow with pairs.
-                ArkCore(h, fabric, self.pathmaps, policy=scheme, seed=int(child[h]), retention_s=retention_s,
+                ArkCore(h, fabric, self.pathmaps, policy=scheme, seed=self._host_seeds[h], retention_s=retention_s,
                         table=self.table, max_idle_peers=0)
                 for h in range(fabric.n_hosts)
             ]
@@ -276,15 +309,21 @@ class FluidSim:
         self._reset(flows)
         while self._pending or self._heap:
             self.step()
-        lb = self.balancer
+        lb, arb = self.balancer, self.arbiter
+        races = arb.races if arb is not None else sum(c.counters.races_lost for c in self.cores)
+        # Under the arbiter: the requests each host sent it (Ask, Drop), and the one-way delay to it.
+        messages, by_host = (arb.requests, arb.sent_by_host) if arb is not None else (self._messages,
+                                                                                     self._sent_by_host)
+        one_way = self.arbiter_rtt / 2 if arb is not None else self.delay
         return SimResult(
-            self.scheme, [self._results[f.id] for f in flows], sum(c.counters.races_lost for c in self.cores),
-            self._fallbacks, self._mismatches, self._spine_max, self._events, self._timeline, self._messages,
-            list(self._sent_by_host), race_moved=len(self._race_moved), moves=lb.moves if lb else 0,
+            self.scheme, [self._results[f.id] for f in flows], races,
+            self._fallbacks, self._mismatches, self._spine_max, self._events, self._timeline, messages,
+            list(by_host), race_moved=len(self._race_moved), moves=lb.moves if lb else 0,
             rehashes=lb.rehashes if lb else 0, stale=self._stale, rebuild_repathed=self._rebuild_repathed,
             mismatches_after_rebuild=self._after_rebuild,
-            control_delay_mean_s=self._ctl_sum / self._ctl_n if self._ctl_n else self.delay,
-            control_delay_max_s=self._ctl_max if self._ctl_n else self.delay,
+            control_delay_mean_s=self._ctl_sum / self._ctl_n if self._ctl_n else one_way,
+            control_delay_max_s=self._ctl_max if self._ctl_n else one_way,
+            control=self.control, arbiter_rtt_s=self.arbiter_rtt if arb is not None else 0.0,
         )
 
     def _reset(self, flows: Sequence[FlowSpec]) -> None:
@@ -323,6 +362,12 @@ class FluidSim:
         self._pending_hosts: dict[int, None] = {}  # hosts with messages on their way to the shared table
         self._multi = self.scheme in SPLIT_SCHEMES and self.params.split.parts > 1
         self.balancer: Balancer | None = make_balancer(self.scheme, self.params, self)
+        if self.control == "arbiter":  # a fresh arbiter per run, started before the first flow
+            self.arbiter = ArbiterControl(
+                self.fabric, self.scheme, self.pathmaps, rtt_s=self.arbiter_rtt, dport=self.dport,
+                parts=self._ask_parts(), host_seeds=self._host_seeds, retention_s=self._retention, lease=None,
+                schedule=lambda t, ev: self.schedule(t, _ARBITER, ev), pending=lambda: self._pending,
+                start_s=min([0.0, *(f.start_s for f in flows)]))
 
     def schedule(self, t: float, kind: int, data: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, data))
@@ -414,9 +459,12 @@ class FluidSim:
             a.res.finish_s = now
             self._pending -= 1
             self._count_spines(a, -1)
-            for sub in a.subs:
-                if sub.core_flow is not None:
-                    self._release(a, sub)
+            if self.arbiter is not None:
+                self._drop(a)
+            else:
+                for sub in a.subs:
+                    if sub.core_flow is not None:
+                        self._release(a, sub)
             if self.balancer is not None:
                 self.balancer.done(a)
         self._spines_changed()
@@ -430,6 +478,14 @@ class FluidSim:
         self._broadcast(t.res.src, rel.messages)
         self._apply_repaths(rel.events)
         self._arm_timer(core)
+
+    def _drop(self, t: Transfer) -> None:
+        """Arbiter control: the host tells the arbiter the flow ended (ark.sim.arbiter_control)."""
+        assert self.arbiter is not None
+        for sub in t.subs:
+            if sub.core_flow is not None:
+                del self._by_core_flow[sub.core_flow]
+        self.arbiter.done(t, self._now)
 
     def _pause(self, t: Transfer) -> None:
         """A chunk is done: idle for the gap, holding its paths and reservations."""
@@ -465,8 +521,36 @@ class FluidSim:
             res.finish_s = self._now
             self._pending -= 1
             return
-        subs = self._split(f, res) if self._multi else [self._first(f, res)]
+        if self.arbiter is not None:  # starts when the arbiter's grant is back (_on_arbiter)
+            self.arbiter.ask(f, self._now)
+            return
+        self._launch(f, res, self._split(f, res) if self._multi else [self._first(f, res)])
+
+    def _on_arbiter(self, ev: Any) -> None:
+        assert self.arbiter is not None
+        granted = self.arbiter.on_event(ev, self._now)
+        if granted is not None:
+            self._start_granted(granted)
+
+    def _start_granted(self, g: Granted) -> None:
+        """The arbiter's grant is back: the flow starts on the ports its host picked (the
+        switches hash them; a port that misses its granted path is counted)."""
+        f, res = g.flow, self._results[g.flow.id]
+        chosen: list[tuple[int, int, FlowId | None]] = []
+        for p in g.parts:
+            path = self._switch(f.src, f.dst, p.port)
+            if p.reserved and path != p.path:
+                self._count_mismatch()
+            chosen.append((p.port, path, p.flow))
+        res.reserved = any(p.reserved for p in g.parts)
+        res.fallback = any(p.fallback for p in g.parts)
+        self._fallbacks += sum(p.fallback for p in g.parts)
+        self._launch(f, res, self._subflows(f, res, chosen))
+
+    def _launch(self, f: FlowSpec, res: FlowResult, subs: list[SubFlow]) -> None:
+        """The flow starts sending now over ``subs``."""
         t = Transfer(res, subs, self.chunks)
+        t.t_upd = self._now  # later than the arrival when it waited for a grant
         self._active[f.id] = t
         for k, sub in enumerate(subs):
             self._shares.add(sub.sid, sub.links)
@@ -517,6 +601,10 @@ class FluidSim:
         else:
             ports = [self.random_port(self.rng) for _ in range(parts)]
             chosen = [(p, self._switch(f.src, f.dst, p), None) for p in ports]
+        return self._subflows(f, res, chosen)
+
+    def _subflows(self, f: FlowSpec, res: FlowResult, chosen: Sequence[tuple[int, int, FlowId | None]]) -> list[SubFlow]:
+        """One sub-flow per (port, path, reservation); the first stands for the flow in ``res``."""
         subs = []
         for k, (port, path, core_flow) in enumerate(chosen):
             links, spines = self._links(f.src, f.dst, path)

@@ -38,7 +38,7 @@ _PATHMAPS: dict[tuple[Fabric, tuple[int, int]], PathMapCache] = {}
 
 # Further keys of every record (results.json keeps RECORD_KEYS; ark compare writes these too).
 EXTRA_KEYS = ("race_moved", "moves", "rehashes", "stale", "rebuild_repathed", "mismatches_after_rebuild",
-              "control_delay_mean_s", "control_delay_max_s")
+              "control_delay_mean_s", "control_delay_max_s", "control", "arbiter_rtt_s")
 PHASES = ("before", "during", "after")  # flows by start time around a link change
 
 
@@ -133,6 +133,8 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
         clock_skew_s=net.clock_skew_us * 1e-6,
         control_on_data=net.control_path == "data-fabric",
         data_queue_bytes=net.data_queue_kb * 1e3,
+        control=net.control,
+        arbiter_rtt_s=net.arbiter_rtt_us / 1e6,  # 200 us reads 0.0002 s in the records
     )
     res = sim.run(flows)
     fcts = [f.fct_s for f in res.flows]

@@ -7,10 +7,12 @@ competes for the same four spine-to-leaf downlinks and 24 replicas decide concur
 (the decode leaf's downlinks carry the paper fabric's load: 0.86 at QPS 25).
 :func:`race_points` sweeps the one-way control delay (1 us to 1 s, shared table), jitter,
 clock skew between hosts and control messages on the data fabric (each host its own
-replica and clock); :func:`run_race_window` runs ECMP once per seed and each ARK scheme at
-every point, and reports per point the races and flows moved per 1,000 flows, the FCT
-against a zero-delay control plane and ARK's gain over ECMP; :func:`halving_delay` finds
-the delay at which that gain is half its zero-delay value.
+replica and clock), and, beside them, the request round trip to one arbiter that decides
+for every host (``[network] control = "arbiter"``: no replica, no race, each flow waits
+the round trip for its grant); :func:`run_race_window` runs ECMP once per seed and each
+ARK scheme at every point, and reports per point the races and flows moved per 1,000
+flows, the FCT against a zero-delay broadcast control plane and ARK's gain over ECMP;
+:func:`halving_delay` finds the delay at which that gain is half its zero-delay value.
 """
 
 from __future__ import annotations
@@ -32,23 +34,28 @@ DELAYS_US = (1, 10, 100, 1000, 10_000, 30_000, 100_000, 300_000, 1_000_000)
 JITTERS_US = (100, 1000, 10_000)
 SKEWS_US = (10, 100, 1000, 10_000)
 QUEUES_KB = (100, 1000, 10_000)
+ARBITER_RTTS_US = (0, 50, 200, 1000, 5000)  # request round trips host -> arbiter -> host
 BASE_DELAY_US = 20.0  # jitter, skew and in-band points start from the default delay
 
 
 @dataclass(frozen=True)
 class RacePoint:
-    """One control plane: one-way delay, jitter, skew, and where control messages travel."""
+    """One control plane: broadcast with its one-way delay, jitter, skew and where control
+    messages travel, or one arbiter with its request round trip."""
 
-    sweep: str  # "delay", "jitter", "skew", "data-fabric" or "reference"
+    sweep: str  # "delay", "jitter", "skew", "data-fabric", "arbiter" or "reference"
     delay_us: float
     jitter_us: float = 0.0
     skew_us: float = 0.0
     control_path: str = "separate"
     queue_kb: float = 0.0
+    control: str = "broadcast"  # or "arbiter"
+    rtt_us: float = 0.0  # the arbiter's request round trip
 
     def network(self) -> dict[str, Any]:
         net: dict[str, Any] = {"control_delay_us": self.delay_us, "control_jitter_us": self.jitter_us,
-                               "clock_skew_us": self.skew_us, "control_path": self.control_path}
+                               "clock_skew_us": self.skew_us, "control_path": self.control_path,
+                               "control": self.control, "arbiter_rtt_us": self.rtt_us}
         if self.control_path == "data-fabric":
             net["data_queue_kb"] = self.queue_kb
         return net
@@ -66,13 +73,16 @@ def race_config(requests: int = 1000, seeds: int | Sequence[int] = 3, qps: float
 
 
 def race_points(delays: Sequence[float] = DELAYS_US, jitters: Sequence[float] = JITTERS_US,
-                skews: Sequence[float] = SKEWS_US, queues: Sequence[float] = QUEUES_KB) -> list[RacePoint]:
-    """The zero-delay reference, then each sweep (jitter, skew, in-band from 20 us)."""
+                skews: Sequence[float] = SKEWS_US, queues: Sequence[float] = QUEUES_KB,
+                rtts: Sequence[float] = ARBITER_RTTS_US) -> list[RacePoint]:
+    """The zero-delay reference, then each sweep (jitter, skew, in-band from 20 us), then
+    the arbiter's round trips (its one-way delay field unused: 0)."""
     pts = [RacePoint("reference", 0.0)]
     pts += [RacePoint("delay", float(d)) for d in delays]
     pts += [RacePoint("jitter", BASE_DELAY_US, jitter_us=float(j)) for j in jitters]
     pts += [RacePoint("skew", BASE_DELAY_US, skew_us=float(s)) for s in skews]
     pts += [RacePoint("data-fabric", BASE_DELAY_US, control_path="data-fabric", queue_kb=float(q)) for q in queues]
+    pts += [RacePoint("arbiter", 0.0, control="arbiter", rtt_us=float(r)) for r in rtts]
     return pts
 
 
@@ -161,14 +171,18 @@ def markdown(rows: Sequence[dict[str, Any]], schemes: Sequence[str], cfg: Experi
              f"{placement(cfg)}; QPS {cfg.workload.qps_list[0]:g}, "
              f"{cfg.workload.requests} requests per run, seeds {', '.join(map(str, cfg.seeds))}; ECMP mean FCT "
              f"{ecmp * 1e3:.0f} ms. Races and moved flows per 1,000 flows; FCT change against a zero-delay "
-             "control plane; gain = ARK's mean-FCT reduction against ECMP.", "",
-             "| sweep | delay (us) | jitter (us) | skew (us) | queue (kB) | scheme | races / 1000 | moved / 1000 "
-             "| mean FCT (ms) | vs zero delay | gain vs ECMP |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "broadcast control plane; gain = ARK's mean-FCT reduction against ECMP. Arbiter rows: one arbiter "
+             "decides for every host, each flow starts a request round trip (RTT) after it arrives.", "",
+             "| sweep | delay (us) | jitter (us) | skew (us) | queue (kB) | arbiter RTT (us) | scheme | races / 1000 "
+             "| moved / 1000 | mean FCT (ms) | vs zero delay | gain vs ECMP |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["scheme"] == "ecmp":
             continue
         q = f"{r['queue_kb']:g}" if r["control_path"] == "data-fabric" else "—"
-        lines.append(f"| {r['sweep']} | {r['delay_us']:g} | {r['jitter_us']:g} | {r['skew_us']:g} | {q} | "
+        arb = r["control"] == "arbiter"
+        delay, rtt = ("—", f"{r['rtt_us']:g}") if arb else (f"{r['delay_us']:g}", "—")
+        lines.append(f"| {r['sweep']} | {delay} | {r['jitter_us']:g} | {r['skew_us']:g} | {q} | {rtt} | "
                      f"{r['scheme']} | {r['races_per_1000']:.1f} | {r['moved_per_1000']:.1f} | "
                      f"{r['fct_mean_s'] * 1e3:.0f} | {100 * r['fct_change']:+.1f}% | {100 * r['gain_vs_ecmp']:+.1f}% |")
     lines.append("")

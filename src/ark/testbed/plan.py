@@ -11,7 +11,7 @@ import json
 import random
 from pathlib import Path
 
-from ark.agent.cluster import ClusterFile, ClusterSettings, HostTable
+from ark.agent.cluster import ArbiterTable, ClusterFile, ClusterSettings, HostTable
 from ark.agent.keys import create_keypair, public_keys
 from ark.core.clos import ClosFabric
 from ark.core.fabric_config import FabricConfig
@@ -20,6 +20,7 @@ from ark.core.pathmap import pathmap_filename
 from ark.testbed.fabric import State, TestbedSpec
 
 PROBE_CHECK_S = 0.5  # agents re-probe a few ports this often and refresh on a re-hash
+ARBITER_PORT = 7200  # the arbiters' control port on the management network
 Pairs = dict[int, set[int]]  # source host -> destination hosts behind other leaves
 
 
@@ -82,8 +83,9 @@ def map_file(st: State, src: int, dst: int, dport: int | None = None) -> Path:
 
 
 def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128,
-                 probe_check_s: float = PROBE_CHECK_S) -> Path:
-    """Keys (once) and a cluster file whose agents talk over the management network."""
+                 probe_check_s: float = PROBE_CHECK_S, control: str = "broadcast") -> Path:
+    """Keys (once) and a cluster file whose agents talk over the management network;
+    ``control = "arbiter"``: they ask two arbiters (:func:`arbiter_tables`) instead."""
     spec, lay = st.spec, st.layout
     keys = st.dir / "keys"
     (st.dir / "maps").mkdir(parents=True, exist_ok=True)
@@ -102,9 +104,30 @@ def cluster_file(st: State, policy: str, lease_min_s: float, sample: int = 128,
         routers_file="routers.json", probe_proto="tcp", probe_sample=sample, probe_check_s=probe_check_s,
         # Flows are scaled like the rates: so is the size a multi-path lease's part stands for.
         split_part_bytes=max(1, round(ClusterSettings().split_part_bytes * spec.scale)),
+        control="arbiter" if control == "arbiter" else "broadcast",  # (a Literal for the type checker)
     )
     (st.dir / "routers.json").write_text(json.dumps(lay.routers_file()))
-    return ClusterFile(cluster=settings, fabric=fabric_config(st), hosts=hosts).save(st.dir / f"cluster-{policy}.toml")
+    arbiters = arbiter_tables(st) if control == "arbiter" else []
+    name = f"cluster-{policy}{'-arbiter' if arbiters else ''}.toml"
+    return ClusterFile(cluster=settings, fabric=fabric_config(st), hosts=hosts, arbiters=arbiters).save(st.dir / name)
+
+
+def arbiter_hosts(st: State) -> list[int]:
+    """Where the primary and the standby arbiter run: the first and the last host's
+    namespace (on the management network, beside those hosts' agents)."""
+    return [0, st.spec.leaves * st.spec.gpus_per_leaf - 1]
+
+
+def arbiter_tables(st: State) -> list[ArbiterTable]:
+    keys = st.dir / "keys"
+    out = []
+    for rank, host in enumerate(arbiter_hosts(st)):
+        name = f"arb{rank}"
+        secret = keys / f"{name}.key_secret"
+        kp = public_keys(secret) if secret.exists() else create_keypair(keys, name)
+        out.append(ArbiterTable(name=name, control=f"tcp://{st.layout.mgmt_ip(host)}:{ARBITER_PORT}",
+                                public_key=kp.public_key, secret_key_file=f"keys/{name}.key_secret"))
+    return out
 
 
 def fabric_config(st: State) -> FabricConfig:

@@ -32,14 +32,22 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from ark.agent.client import wait_ready
+from ark.agent.client import ArkClient, wait_ready
 from ark.core.flows import FlowSpec
 from ark.core.node import MAX_SPLIT_PARTS
 from ark.testbed import engines
 from ark.testbed.capture import SpineCounters, counting
 from ark.testbed.change import fabric_change
 from ark.testbed.fabric import State, TestbedError, rekey, set_link, spawn_in_host
-from ark.testbed.plan import PROBE_CHECK_S, Pairs, cluster_file, cross_leaf_pairs, ecmp_ports, plan_flows
+from ark.testbed.plan import (
+    PROBE_CHECK_S,
+    Pairs,
+    arbiter_hosts,
+    cluster_file,
+    cross_leaf_pairs,
+    ecmp_ports,
+    plan_flows,
+)
 from ark.testbed.predict import predict
 from ark.testbed.probing import Progress, _quiet, probe_or_check
 from ark.testbed.summary import PARTS, finite_mean
@@ -49,6 +57,7 @@ TESTBED_SCHEMES = ("ecmp", "ark", "ark-balance", "ark-split")
 # The testbed's own TCP senders, Mooncake Transfer Engines, or vLLM P/D (ark.testbed.vllm:
 # its requests' KV pushes, with the builtin senders' flows as background).
 ENGINES = ("builtin", "mooncake", "vllm")
+CONTROLS = ("broadcast", "arbiter")
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,9 @@ class RunParams:
     # Every host shares this machine's few cores: ECMP runs start the agents too (and ask
     # them nothing), so every scheme pays their CPU and the comparison is fair.
     ecmp_agents: bool = True
+    # "arbiter": agents keep no replica and ask a primary and a standby arbiter, which run
+    # in the first and the last host's namespace (ark.testbed.plan.arbiter_hosts).
+    control: str = "broadcast"
 
     @property
     def split_parts(self) -> int | None:
@@ -79,6 +91,8 @@ class RunParams:
     def check(self, st: State) -> None:
         if self.scheme not in TESTBED_SCHEMES:
             raise TestbedError(f"scheme: must be one of {', '.join(TESTBED_SCHEMES)}; got {self.scheme!r}")
+        if self.control not in CONTROLS:
+            raise TestbedError(f"control: must be one of {', '.join(CONTROLS)}; got {self.control!r}")
         if self.engine not in ENGINES:
             raise TestbedError(f"engine: must be one of {', '.join(ENGINES)}; got {self.engine!r}")
         if not 1 <= self.buffers <= 256:
@@ -160,12 +174,34 @@ class TestbedRun:
 
     def start_agents(self, cluster: Path) -> None:
         spec = self.st.spec
+        arbiter = self.params.control == "arbiter"
+        if arbiter:
+            for rank, host in enumerate(arbiter_hosts(self.st)):
+                self._spawn(host, [sys.executable, "-m", "ark", "arbiter", "--cluster", str(cluster), "--name",
+                                   f"arb{rank}", "--log-level", "warning"], f"arbiter-{rank}.log")
         for i in range(spec.leaves * spec.gpus_per_leaf):
             self._spawn(i, [sys.executable, "-m", "ark", "agent", "--cluster", str(cluster), "--host", f"gpu{i}",
                             "--log-level", "warning"], f"agent-gpu{i}.log")
             self.apis[i] = f"ipc://{self.st.dir}/api/gpu{i}.sock"
         wait_ready(list(self.apis.values()), 60.0)
-        self.progress(f"{len(self.apis)} agents ready")
+        if arbiter:
+            self._wait_arbiter()
+        self.progress(f"{len(self.apis)} agents ready" + (", an arbiter leading" if arbiter else ""))
+
+    def _wait_arbiter(self, timeout_s: float = 30.0) -> None:
+        """Until the arbiters grant (at a cold start the primary leads after takeover_s)."""
+        fab = self.st.spec.fabric()
+        src = next(iter(self.apis))
+        dst = next(h.index for h in fab.hosts if fab.n_paths(src, h.index) > 1)
+        deadline = time.monotonic() + timeout_s
+        with ArkClient(self.apis[src], timeout_s=10.0) as c:
+            while time.monotonic() < deadline:
+                lease = c.reserve(f"gpu{dst}", 1)
+                c.release(lease.flow_id)
+                if lease.reserved:
+                    return
+                time.sleep(0.1)
+        raise TestbedError(f"no arbiter granted within {timeout_s:.0f} s; see {self.work}/arbiter-*.log")
 
     def wait_receivers(self, receivers: list[int]) -> None:
         deadline = time.monotonic() + 30
@@ -225,7 +261,7 @@ def run(st: State, params: RunParams, progress: Progress = _quiet, reprobe: bool
     # shared by 16 hosts its CPU would come out of the engines' share.
     check_s = 0.0 if params.engine == "mooncake" else PROBE_CHECK_S
     cluster = cluster_file(st, params.scheme if params.scheme != "ecmp" else "ark", params.lease_min_s, params.sample,
-                           check_s)
+                           check_s, params.control)
     dports = engines.data_ports(st, sorted({f.dst for f in flows})) if params.engine == "mooncake" else None
     # The seed fixes the switches' hash keys (and ECMP's ports): the same seed, the same paths.
     keys, rekeyed = rekey(st, params.seed)
@@ -356,7 +392,7 @@ def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[d
     checked = [fr["path_match"] for fr in per_flow if "path_match" in fr]
     fct = np.asarray([r["fct_s"] for r in per_flow if r["fct_s"] is not None])
     rec: dict[str, Any] = {
-        "scheme": params.scheme, "engine": params.engine, "buffers": params.buffers,
+        "scheme": params.scheme, "engine": params.engine, "buffers": params.buffers, "control": params.control,
         "ecmp_agents": params.ecmp_agents and params.scheme == "ecmp", "qps": params.qps, "seed": params.seed, "requests": params.requests,
         "scale": st.spec.scale, "link_mbps": st.spec.link_gbps * st.spec.scale * 1e3,
         "offered_load": round(load, 4), "hash_policy": st.spec.hash_policy,

@@ -1,0 +1,287 @@
+"""A host's side of the arbiter protocol: which arbiter to ask, retries, fallback, epochs.
+
+Sans-IO, ``now`` passed in: :meth:`ArbiterLink.ask`, :meth:`~ArbiterLink.extend` and
+:meth:`~ArbiterLink.drop` turn a request into bytes for one arbiter; answers go in through
+:meth:`~ArbiterLink.on_arbiter`, timers through :meth:`~ArbiterLink.tick`; finished requests
+come out of :meth:`~ArbiterLink.take_done`, each with the caller's tag and the answer, or
+``None`` when no arbiter answered (the caller then goes on with plain ECMP).
+
+Rules:
+
+* a request goes to the arbiter that answered last; ``Refused`` naming a leader sends it
+  there at once (same request id: an arbiter that already answered it answers the same);
+  no answer within ``timeout_s`` sends it to the next arbiter; when every arbiter has been
+  tried, it is finished unanswered;
+* after an unanswered request the link is *down*: new requests finish unanswered at once
+  (no wait), and every arbiter is pinged each ``probe_s`` until one leads;
+* an answer of an epoch below the highest this host has seen comes from an old leader and
+  is dropped (its request goes on to the next arbiter), unless nothing of that highest
+  epoch has been heard for ``forget_epoch_s`` (both arbiters restarted and begin again
+  below it: by then every lease the old epoch granted has ended);
+* an answer of a new leader (an epoch above the highest seen) makes the host hand in the
+  leases it holds from earlier epochs (``Register``, from the ``held`` callback), so that
+  the new leader knows them; its answer says which the host still holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ark.core import arbiter_wire as w
+from ark.core.table import CoreError
+
+NO_ARBITER = "no arbiter answered"
+MAX_PENDING = 65536  # requests in flight; beyond: finished unanswered at once
+
+
+class LinkOut(NamedTuple):
+    """Bytes for arbiter ``rank``."""
+
+    rank: int
+    data: bytes
+
+
+class Done(NamedTuple):
+    """A finished request: the caller's ``tag`` and the answer (None: no arbiter answered)."""
+
+    tag: Hashable
+    answer: w.Grant | w.Extended | w.Dropped | w.Pong | None
+
+
+@dataclass
+class LinkCounters:
+    sent: int = 0
+    answered: int = 0
+    unanswered: int = 0  # finished with no arbiter's answer: the caller fell back to ECMP
+    timeouts: int = 0
+    refused: int = 0
+    redirected: int = 0  # sent on to the leader a Refused named
+    stale_epoch: int = 0  # answers of an epoch below the highest seen: dropped
+    epoch_forgotten: int = 0  # the highest epoch given up after forget_epoch_s of silence
+    invalid: int = 0
+    unknown_rid: int = 0  # answers to no request in flight (late, duplicated)
+    registered: int = 0  # leases handed in to a new leader
+    leaders: int = 0  # changes of the arbiter answering
+
+
+@dataclass
+class _Pending:
+    tag: Hashable
+    msg: w.FromHost
+    rank: int
+    sent_at: float
+    tried: set[int] = field(default_factory=set)
+
+
+class ArbiterLink:
+    """One host's link to ``arbiters`` ranked arbiters."""
+
+    def __init__(self, arbiters: int, *, timeout_s: float = 0.1, probe_s: float = 0.2, forget_epoch_s: float = 30.0,
+                 held: Callable[[float], list[w.Held]] | None = None) -> None:
+        if not 1 <= arbiters <= 16:
+            raise CoreError(f"arbiters: must be 1..16; got {arbiters}")
+        for name, v in (("timeout_s", timeout_s), ("probe_s", probe_s), ("forget_epoch_s", forget_epoch_s)):
+            if not (math.isfinite(v) and v > 0):
+                raise CoreError(f"{name}: must be a finite number > 0; got {v}")
+        self.arbiters = arbiters
+        self.timeout_s, self.probe_s, self.forget_epoch_s = timeout_s, probe_s, forget_epoch_s
+        self._held = held or (lambda now: [])
+        self.counters = LinkCounters()
+        self.leader = 0  # the rank asked first
+        self.epoch = 0  # the highest epoch heard
+        self._epoch_heard = -math.inf
+        self.up = True  # False after an unanswered request, until an arbiter leads again
+        self.down_since: float | None = None
+        self.down_s = 0.0  # time spent down, in total
+        self._rid = 0
+        self._pending: dict[int, _Pending] = {}
+        self._done: list[Done] = []
+        self._next_probe = math.inf
+        self._pings: set[int] = set()
+        self._undropped: list[tuple[int, int]] = []  # releases no arbiter took (sent to the next leader)
+
+    # ------------------------------------------------------------------ requests
+    def ask(self, tag: Hashable, dst: int, nbytes: int, dport: int, parts: int, now: float) -> list[LinkOut]:
+        return self._request(tag, w.Ask(self._next_rid(), self.epoch, dst, nbytes, dport, parts), now)
+
+    def extend(self, tag: Hashable, flows: list[tuple[int, int]], now: float) -> list[LinkOut]:
+        return self._chunks(tag, flows, lambda chunk: w.Extend(self._next_rid(), self.epoch, chunk), now)
+
+    def drop(self, flows: list[tuple[int, int]], now: float) -> list[LinkOut]:
+        """Release at the arbiter; nobody waits for it (unanswered, the lease ends there)."""
+        return self._chunks(None, flows, lambda chunk: w.Drop(self._next_rid(), self.epoch, chunk), now)
+
+    def _chunks(self, tag: Hashable, flows: list[tuple[int, int]], make: Callable[[list[tuple[int, int]]], w.FromHost],
+                now: float) -> list[LinkOut]:
+        if not flows:
+            raise CoreError("flows: at least one")
+        if len(flows) > w.MAX_FLOWS_PER_MESSAGE:
+            raise CoreError(f"flows: at most {w.MAX_FLOWS_PER_MESSAGE} in one request; got {len(flows)}")
+        return self._request(tag, make(flows), now)
+
+    def _chunks_of(self, tag: Hashable, flows: list[tuple[int, int]],
+                   make: Callable[[list[tuple[int, int]]], w.FromHost], now: float) -> list[LinkOut]:
+        step = w.MAX_FLOWS_PER_MESSAGE
+        return [o for i in range(0, len(flows), step) for o in self._request(tag, make(flows[i:i + step]), now)]
+
+    def _next_rid(self) -> int:
+        self._rid += 1
+        return self._rid
+
+    def _request(self, tag: Hashable, msg: w.FromHost, now: float) -> list[LinkOut]:
+        if not self.up or len(self._pending) >= MAX_PENDING:
+            self._finish(tag, None)
+            return []
+        p = self._pending[msg.rid] = _Pending(tag, msg, self.leader, now)
+        return self._send(p, now)
+
+    def _send(self, p: _Pending, now: float) -> list[LinkOut]:
+        p.tried.add(p.rank)
+        p.sent_at = now
+        self.counters.sent += 1
+        return [LinkOut(p.rank, w.encode(p.msg))]
+
+    def _finish(self, tag: Hashable, answer: w.Grant | w.Extended | w.Dropped | w.Pong | None) -> None:
+        if answer is None:
+            self.counters.unanswered += 1
+        else:
+            self.counters.answered += 1
+        if tag is not None:
+            self._done.append(Done(tag, answer))
+
+    def take_done(self) -> list[Done]:
+        done, self._done = self._done, []
+        return done
+
+    # ------------------------------------------------------------------ answers
+    def on_arbiter(self, rank: int, data: bytes, now: float) -> list[LinkOut]:
+        """One message from arbiter ``rank`` (the transport authenticated it)."""
+        try:
+            if not 0 <= rank < self.arbiters:
+                raise w.ArbiterWireError("rank")
+            msg = w.decode_to_host(data)
+        except w.ArbiterWireError:
+            self.counters.invalid += 1
+            return []
+        if not self._current(msg.epoch, now):
+            self.counters.stale_epoch += 1
+            return []
+        if isinstance(msg, w.Refused):
+            return self._on_refused(rank, msg, now)
+        out = self._leads(rank, msg.epoch, now)
+        if msg.rid in self._pings:
+            self._pings.discard(msg.rid)
+            return out
+        p = self._pending.pop(msg.rid, None)
+        if p is None:
+            self.counters.unknown_rid += 1
+            return out
+        self._finish(p.tag, msg)
+        return out
+
+    def _current(self, epoch: int, now: float) -> bool:
+        """Is an answer of ``epoch`` from a leader this host may believe?"""
+        if epoch >= self.epoch:
+            return True
+        if now - self._epoch_heard > self.forget_epoch_s:  # both arbiters began again below it
+            self.counters.epoch_forgotten += 1
+            self.epoch = epoch
+            return True
+        return False
+
+    def _leads(self, rank: int, epoch: int, now: float) -> list[LinkOut]:
+        """``rank`` answered as leader with ``epoch``: ask it from now on; a new epoch (or
+        an arbiter found after none answered) gets this host's older leases registered."""
+        newer = epoch > self.epoch
+        self.epoch = max(self.epoch, epoch)
+        self._epoch_heard = now
+        if rank != self.leader:
+            self.leader = rank
+            self.counters.leaders += 1
+        came_up = not self.up
+        if came_up:
+            self.up = True
+            assert self.down_since is not None
+            self.down_s += now - self.down_since
+            self.down_since = None
+            self._next_probe = math.inf
+        return self._register(now) if newer or came_up else []
+
+    def _register(self, now: float) -> list[LinkOut]:
+        """Hand the new leader the leases held from earlier epochs, and the releases no
+        arbiter took."""
+        undropped, self._undropped = self._undropped, []
+        out = self._chunks_of(None, undropped, lambda chunk: w.Drop(self._next_rid(), self.epoch, chunk), now)
+        held = [h for h in self._held(now) if h.flow[1] >> 32 < self.epoch]
+        step = w.MAX_FLOWS_PER_MESSAGE
+        for i in range(0, len(held), step):
+            chunk = held[i:i + step]
+            self.counters.registered += len(chunk)
+            out += self._request(("register", tuple(h.flow for h in chunk)), w.Register(self._next_rid(), self.epoch,
+                                                                                     chunk), now)
+        return out
+
+    def _on_refused(self, rank: int, msg: w.Refused, now: float) -> list[LinkOut]:
+        self.counters.refused += 1
+        if msg.rid in self._pings:
+            self._pings.discard(msg.rid)
+            return []
+        p = self._pending.get(msg.rid)
+        if p is None or p.rank != rank:
+            self.counters.unknown_rid += p is None
+            return []
+        to = msg.leader if 0 <= msg.leader < self.arbiters and msg.leader not in p.tried else None
+        if to is not None:
+            self.counters.redirected += 1
+        return self._next(p, now, to)
+
+    def _next(self, p: _Pending, now: float, to: int | None = None) -> list[LinkOut]:
+        """Send ``p`` to ``to`` or the next arbiter not tried yet; none left: unanswered."""
+        if to is None:
+            to = next((r for r in ((p.rank + i) % self.arbiters for i in range(1, self.arbiters))
+                       if r not in p.tried), None)
+        if to is None:
+            del self._pending[p.msg.rid]
+            self._finish(p.tag, None)
+            if isinstance(p.msg, w.Drop) and len(self._undropped) < MAX_PENDING:
+                self._undropped.extend(p.msg.flows)  # the next leader may hold them: told when found
+            self._go_down(now)
+            return []
+        p.rank = to
+        return self._send(p, now)
+
+    def _go_down(self, now: float) -> None:
+        if self.up:
+            self.up = False
+            self.down_since = now
+            self._next_probe = now
+
+    # ------------------------------------------------------------------ time
+    def tick(self, now: float) -> list[LinkOut]:
+        """Requests past ``timeout_s`` go on to the next arbiter; probes while down."""
+        out: list[LinkOut] = []
+        for p in [p for p in self._pending.values() if now - p.sent_at >= self.timeout_s]:
+            self.counters.timeouts += 1
+            out += self._next(p, now)
+        if not self.up and now >= self._next_probe:
+            self._next_probe = now + self.probe_s
+            self._pings = set()
+            for r in range(self.arbiters):
+                rid = self._next_rid()
+                self._pings.add(rid)
+                out.append(LinkOut(r, w.encode(w.Ping(rid, self.epoch))))
+        return out
+
+    def next_deadline(self) -> float:
+        t = self._next_probe if not self.up else math.inf
+        if self._pending:
+            t = min(t, min(p.sent_at for p in self._pending.values()) + self.timeout_s)
+        return t
+
+    def status(self, now: float) -> dict[str, object]:
+        return {"leader": self.leader, "epoch": self.epoch, "up": self.up, "pending": len(self._pending),
+                "down_s": round(self.down_s + (now - self.down_since if self.down_since is not None else 0.0), 3),
+                "counters": dict(vars(self.counters))}
