@@ -80,7 +80,17 @@ from typing import Any
 
 from ark.core import arbiter_wire as w
 from ark.core.arbiter import Arbiter, ArbiterOut
-from ark.core.arbiter_host import NO_ARBITER, ArbiterLink, Done, LinkOut
+from ark.core.arbiter_host import (
+    NO_ARBITER,
+    NOT_HELD,
+    ArbiterLink,
+    Done,
+    LinkOut,
+    apply_registration,
+    held_leases,
+    place_part,
+    renewed_lease,
+)
 from ark.core.lease import LeasePolicy
 from ark.core.messages import FlowId
 from ark.core.node import Lease, Node
@@ -93,7 +103,6 @@ MAPS = PathMapCache(FABRIC)
 N = FABRIC.n_hosts
 STAGES = {(s, d): FABRIC.stages(s, d) for s in range(N) for d in range(N) if s != d}
 DPORT = 4791
-NOT_HELD = "not held by the arbiter"  # ark.agent.arbiter_link.NOT_HELD (the core may not import the agent)
 
 # The real defaults halved: takeover_s 1.0, beats and probes every takeover_s / 5,
 # arbiter_timeout_s 0.1 (a third of the seeds: 0.2), the arbiter's expiry grace 0.25.
@@ -522,8 +531,7 @@ class Sim:
         self._after_host(h)
 
     def _held(self, h: Host, now: float) -> list[w.Held]:
-        return [w.Held(f, dst, dport, path, nbytes, shared, min(left, 86400.0))
-                for f, dst, dport, path, nbytes, shared, left in h.node.reserved_leases(now)]
+        return held_leases(h.node, now)
 
     def _link_out(self, h: Host, outs: list[LinkOut]) -> None:
         for o in outs:
@@ -606,28 +614,20 @@ class Sim:
 
     def _part_lease(self, h: Host, part: w.Part | None, dst: int, nbytes: int, now: float, sent: float,
                     epoch: int) -> Lease:
-        node = h.node
-        if part is not None:
-            try:
-                lease = node.place(part.flow, dst, nbytes, now, DPORT, part.path if part.reserved else None,
-                                   shared=part.shared, lease_s=self._left(h, part.lease_s, sent, now), why=part.why)
-            except CoreError:
-                h.bad_grants += 1
-                self.summary.bad_grants += 1
-                self._drop(h, [part.flow] if part.reserved and part.flow[0] == h.index else [])
-            else:
-                if part.reserved and not lease.reserved:
-                    self._drop(h, [part.flow])
-                elif part.reserved and lease.path != part.path:
-                    # The node's own table put it elsewhere (see WORKAROUNDS["repath"]).
-                    self.summary.repathed_by_node += 1
-                    if "repath" in self.workarounds:
-                        lease = node.unreserve(lease.flow_id, NOT_HELD, now)
-                        self._drop(h, [part.flow])
-                if lease.reserved:
-                    h.lease_epoch[lease.flow_id] = epoch
-                return lease
-        lease, _ = node.reserve(dst, nbytes, now, DPORT, unreserved=NO_ARBITER)
+        placed = place_part(h.node, part, dst, nbytes, DPORT, now,
+                            None if part is None else self._left(h, part.lease_s, sent, now))
+        h.bad_grants += placed.bad
+        self.summary.bad_grants += placed.bad
+        self._drop(h, placed.drop)
+        lease = placed.lease
+        if part is not None and part.reserved and lease.reserved and lease.path != part.path:
+            # The node's own table put it elsewhere (see WORKAROUNDS["repath"]).
+            self.summary.repathed_by_node += 1
+            if "repath" in self.workarounds:
+                lease = h.node.unreserve(lease.flow_id, NOT_HELD, now)
+                self._drop(h, [part.flow])
+        if part is not None and lease.reserved:
+            h.lease_epoch[lease.flow_id] = epoch
         return lease
 
     def _drop(self, h: Host, flows: list[FlowId]) -> None:
@@ -661,43 +661,32 @@ class Sim:
         for f in flows:
             try:
                 r = node.resolve(f)
-                if r in lease_s and lease_s[r] >= 0:
-                    self._extend(h, r, lease_s[r], now, epoch)
+                before = node.lease_of(r, now).expires
+                lease = renewed_lease(node, f, lease_s.get(r), answered, now)
+                if lease_s.get(r, -1) >= 0:
+                    self._note_epoch(h, r, lease.expires > before, epoch)
                     self.summary.renewed += 1
                 elif r in lease_s and answered:
-                    node.unreserve(r, NOT_HELD, now)
                     self.summary.unreserved += 1
-                elif not self._reserved(h, f):
-                    node.renew(f, now)
             except CoreError:
                 continue  # released or expired while the answer was on its way (the agent answers an error)
         self.dirty = True
 
-    def _extend(self, h: Host, f: FlowId, lease_s: float, now: float, epoch: int) -> None:
-        """``Node.extend_to``; the lease is that answer's when it moved the end."""
-        before = h.node.lease_of(f, now).expires
-        if h.node.extend_to(f, lease_s, now).expires > before or f not in h.lease_epoch:
+    @staticmethod
+    def _note_epoch(h: Host, f: FlowId, moved: bool, epoch: int) -> None:
+        """The flow's lease is that answer's when it moved the end."""
+        if moved or f not in h.lease_epoch:
             h.lease_epoch[f] = epoch
 
     def _registered(self, h: Host, flows: tuple[FlowId, ...], answer: Any, now: float, sent: float) -> None:
         node = h.node
-        parts = {p.flow: p for p in answer.parts} if isinstance(answer, w.Grant) else {}
-        lost = []
-        for f in flows:
-            local = node.core.local_flows().get(f)
-            if local is None or not local[3]:
-                continue
-            p = parts.get(f)
-            if p is None:
-                continue
-            if p.reserved and p.path == local[1]:
-                self._extend(h, f, self._left(h, p.lease_s, sent, now), now, answer.epoch)
-                self.summary.registered_kept += 1
-            else:
-                node.unreserve(f, p.why or NOT_HELD, now)
-                self.summary.unreserved += 1
-                if p.reserved:
-                    lost.append(f)
+        before = {f: node.lease_of(f, now).expires for f in flows if node.holds(f)}
+        reserved = [f for f in before if self._reserved(h, f)]
+        kept, lost = apply_registration(node, flows, answer, now, lambda s: self._left(h, s, sent, now))
+        for f in kept:
+            self._note_epoch(h, f, node.lease_of(f, now).expires > before[f], answer.epoch)
+        self.summary.registered_kept += len(kept)
+        self.summary.unreserved += sum(1 for f in reserved if f not in kept and not self._reserved(h, f))
         self._drop(h, lost)
         self.log(f"host {h.index} registered {len(flows)} with epoch {h.link.epoch}")
         self.dirty = True

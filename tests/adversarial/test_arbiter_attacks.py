@@ -16,8 +16,9 @@ from tests.agent.test_arbiter_process import _Host, _until
 
 def test_a_flooding_greedy_host_is_capped_and_an_honest_agent_still_reserves(tmp_path: Path) -> None:
     # 32 spines: more paths than its cap of 16 live reservations, so the cap is what stops it.
+    # 200 requests/s per host: a flood of 3,000 outruns it however slowly this machine serves it.
     cf, names = write_cluster(tmp_path, 4, arbiters=1, control="arbiter", max_flows_per_host=16, lease_min_s=30.0,
-                              spines=32)
+                              spines=32, arbiter_rate_per_host=200.0)
     cl = load_cluster(cf)
     idx = {n: cl.host(n).index for n in names}  # names alternate leaves: 0 and 2 on one, 1 and 3 on the other
     procs = AgentProcs(cf, [names[3]], tmp_path)

@@ -11,16 +11,7 @@ from ark.agent.client import ArkClient
 from ark.agent.cluster import load as load_cluster
 from ark.agent.loopback import AgentProcs, write_cluster
 from ark.core.arbiter_host import NO_ARBITER
-
-
-def _until(fn, timeout_s: float):  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        v = fn()
-        if v:
-            return v
-        time.sleep(0.05)
-    return fn()
+from tests.agent.test_arbiter_process import _until
 
 
 def test_agents_take_the_arbiters_decisions_and_survive_a_killed_primary(tmp_path: Path) -> None:

@@ -30,15 +30,21 @@ import zmq
 from ark.agent.logs import event as _ev
 from ark.agent.sockets import readable
 from ark.core import arbiter_wire as w
-from ark.core.arbiter_host import NO_ARBITER, ArbiterLink, Done, LinkOut
+from ark.core.arbiter_host import (
+    ArbiterLink,
+    Done,
+    LinkOut,
+    apply_registration,
+    held_leases,
+    place_part,
+    renewed_lease,
+)
 from ark.core.node import Lease
-from ark.core.table import CoreError
 
 if TYPE_CHECKING:
     from ark.agent.daemon import Agent
 
 log = logging.getLogger("ark.agent")
-NOT_HELD = "not held by the arbiter"
 
 
 class ArbiterForwarder:
@@ -137,8 +143,7 @@ class ArbiterForwarder:
         return [self.agent.node.resolve(f) for f in flows if self._reserved(f)]
 
     def _held(self, now: float) -> list[w.Held]:
-        return [w.Held(f, dst, dport, path, nbytes, shared, min(left, 86400.0))
-                for f, dst, dport, path, nbytes, shared, left in self.agent.node.reserved_leases(now)]
+        return held_leases(self.agent.node, now)
 
     # ------------------------------------------------------------------ answers
     def _finish(self, now: float) -> None:
@@ -183,39 +188,17 @@ class ArbiterForwarder:
         self.agent.reply(rid, {"ok": True, "leases": [api.with_ports(le, share) for le in leases]})
 
     def _part_lease(self, part: w.Part | None, dst: int, nbytes: int, dport: int, now: float) -> Lease:
-        """One part's lease: on the granted path with a port of this host's maps; plain
-        ECMP under the arbiter's id when it reserved nothing, or under one of this node's
-        when no arbiter answered or its id cannot be taken (not this host's, or held)."""
-        node = self.agent.node
-        if part is not None:
-            try:
-                lease = node.place(part.flow, dst, nbytes, now, dport, part.path if part.reserved else None,
-                                   shared=part.shared, lease_s=part.lease_s, why=part.why)
-            except CoreError:
-                self.bad_grants += 1
-                self.drop([part.flow] if part.reserved and part.flow[0] == self.agent.me.index else [])
-            else:
-                if part.reserved and not lease.reserved:  # no port of that path free here: let it go there
-                    self.drop([part.flow])
-                return lease
-        lease, _ = node.reserve(dst, nbytes, now, dport, unreserved=NO_ARBITER)
-        return lease
+        placed = place_part(self.agent.node, part, dst, nbytes, dport, now)
+        self.bad_grants += placed.bad
+        self.drop(placed.drop)
+        return placed.lease
 
     def _renewed(self, flows: list[tuple[int, int]], one: bool, lease_s: dict[tuple[int, int], float], now: float,
                  answered: bool = True) -> dict[str, Any]:
         from ark.agent.api import lease_dict
 
         node = self.agent.node
-        leases = []
-        for f in flows:
-            r = node.resolve(f)
-            if r in lease_s and lease_s[r] >= 0:
-                lease = node.extend_to(r, lease_s[r], now)
-            elif r in lease_s and answered:
-                lease = node.unreserve(r, NOT_HELD, now)
-            else:  # not the arbiter's (ECMP), or no arbiter answered: as it stands, never extended
-                lease = node.renew(f, now)[0] if not self._reserved(f) else node.lease_of(f, now)
-            leases.append(lease)
+        leases = [renewed_lease(node, f, lease_s.get(node.resolve(f)), answered, now) for f in flows]
         self.agent.api.hold(leases)
         if one:
             return {"ok": True, "lease": lease_dict(leases[0])}
@@ -223,25 +206,10 @@ class ArbiterForwarder:
 
     def _registered(self, flows: tuple[tuple[int, int], ...], answer: Any, now: float) -> None:
         """A new leader's verdict on this host's leases: kept on their path, or unreserved."""
-        node = self.agent.node
-        parts = {p.flow: p for p in answer.parts} if isinstance(answer, w.Grant) else {}
-        lost = []
-        for f in flows:
-            local = node.core.local_flows().get(f)
-            if local is None or not local[3]:
-                continue
-            p = parts.get(f)
-            if p is None:
-                continue  # no answer: it stands until its lease ends, and is registered again with the next leader
-            if p.reserved and p.path == local[1]:
-                node.extend_to(f, p.lease_s, now)
-            else:
-                node.unreserve(f, p.why or NOT_HELD, now)
-                if p.reserved:
-                    lost.append(f)
+        kept, lost = apply_registration(self.agent.node, flows, answer, now)
         self.drop(lost)
         log.info(**_ev("leases_registered", host=self.agent.me.name, flows=len(flows), epoch=self.link.epoch,
-                       kept=sum(1 for f in flows if self._reserved(f))))
+                       kept=len(kept)))
 
     def status(self) -> dict[str, Any]:
         st = self.link.status(time.time())

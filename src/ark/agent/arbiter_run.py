@@ -55,9 +55,9 @@ class _ArbiterLoad:
         self.errors: list[str] = []
         self.leases: list[_Held] = []
         self.fallbacks: list[tuple[float, str]] = []  # (when, why) of every unreserved lease
-        self.reserved_at: list[float] = []
         self.halfway = threading.Event()
         self.t_kill: float | None = None  # set by whoever kills the primary
+        self.again_at: float | None = None  # the first lease reserved after the kill
         self.kill = False
 
     def enough(self) -> bool:
@@ -70,9 +70,8 @@ class _ArbiterLoad:
         if self.t_kill is None:
             return False
         now = time.monotonic()
-        again = next((t for t in self.reserved_at[::-1] if t > self.t_kill), None)
-        return now - self.t_kill > 60 or (again is not None and now - min(
-            t for t in self.reserved_at if t > self.t_kill) >= 1.0)
+        again = self.again_at
+        return now - self.t_kill > 60 or (again is not None and now - again >= 1.0)
 
     def remote(self, n: str, r: random.Random) -> str:
         return r.choice([m for m in self.names if self.leaf[m] != self.leaf[n]])
@@ -108,7 +107,8 @@ class _ArbiterLoad:
             self.done += 1
             if lease.reserved:
                 self.leases.append(_Held(self.index[n], lease.dst, lease.path, granted, released))
-                self.reserved_at.append(granted)
+                if self.again_at is None and self.t_kill is not None and granted > self.t_kill:
+                    self.again_at = granted
             else:
                 self.fallbacks.append((granted, lease.fallback))
             if self.done == self.flows // 2:
@@ -231,8 +231,7 @@ def _load_figures(load: _ArbiterLoad, load_s: float, t_kill: float | None) -> di
                            "no_arbiter_leases": sum(1 for _, why in load.fallbacks if why == NO_ARBITER),
                            "other_fallbacks": sum(1 for _, why in load.fallbacks if why != NO_ARBITER)}
     if t_kill is not None:
-        after = [t for t in load.reserved_at if t > t_kill]
-        out["ecmp_window_s"] = round(min(after) - t_kill, 3) if after else None
+        out["ecmp_window_s"] = round(load.again_at - t_kill, 3) if load.again_at is not None else None
         last = [t for t, why in load.fallbacks if why == NO_ARBITER]
         out["last_no_arbiter_s"] = round(max(last) - t_kill, 3) if last else None
     return out

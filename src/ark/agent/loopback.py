@@ -65,6 +65,7 @@ def write_cluster(
     gpus_per_leaf: int | None = None,
     takeover_s: float = 1.0,
     control: Literal["broadcast", "arbiter"] = "broadcast",
+    arbiter_rate_per_host: float = 2000.0,
 ) -> tuple[Path, list[str]]:
     """Keys and a cluster file for ``n`` agents on a 2-leaf fabric with ``spines`` spines.
 
@@ -74,7 +75,8 @@ def write_cluster(
     ``metrics``: every host gets a ``metrics_port`` too. ``arbiters``: that many
     ``[[arbiters]]`` (``arb0``, ...; keys beside the hosts'). ``gpus_per_leaf``: a larger
     fabric than the hosts need (the others have no entry). ``control = "arbiter"``: the
-    agents ask the arbiters (give ``arbiters`` >= 1).
+    agents ask the arbiters (give ``arbiters`` >= 1), each host at most
+    ``arbiter_rate_per_host`` requests a second.
     """
     total = n + extra_hosts
     per_leaf = max(1, math.ceil(total / 2), gpus_per_leaf or 0)
@@ -92,7 +94,7 @@ def write_cluster(
                                max_clock_offset_s=min(0.1, lease_min_s / 4), state_dir="state", peer_rate=peer_rate,
                                max_flows_per_host=max_flows_per_host, retention_s=retention_s,
                                scope="full" if sends_to is None else "declared", takeover_s=takeover_s,
-                               control=control)
+                               control=control, arbiter_rate_per_host=arbiter_rate_per_host)
     arbs = []
     for r in range(arbiters):
         kp = create_keypair(workdir / "keys", f"arb{r}")

@@ -26,11 +26,13 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ark.core import arbiter_wire as w
+from ark.core.messages import FlowId
+from ark.core.node import Lease, Node
 from ark.core.table import CoreError
 
 NO_ARBITER = "no arbiter answered"
@@ -285,3 +287,81 @@ class ArbiterLink:
         return {"leader": self.leader, "epoch": self.epoch, "up": self.up, "pending": len(self._pending),
                 "down_s": round(self.down_s + (now - self.down_since if self.down_since is not None else 0.0), 3),
                 "counters": dict(vars(self.counters))}
+
+
+# ---------------------------------------------------------------------- answers on a node
+# What a host does with an arbiter's answers, on its Node (which keeps its flows' ports and
+# leases): one place for the agent (ark.agent.arbiter_link) and the fault harness.
+NOT_HELD = "not held by the arbiter"
+
+
+class Placed(NamedTuple):
+    """A grant part on this host: its ``lease``; ``drop``: flows the arbiter holds for
+    nothing (release them there); ``bad``: the part named an id this node cannot take."""
+
+    lease: Lease
+    drop: list[FlowId]
+    bad: bool = False
+
+
+def place_part(node: Node, part: w.Part | None, dst: int, nbytes: int, dport: int, now: float,
+               lease_s: float | None = None) -> Placed:
+    """One part's lease: on the granted path with a port of this host's maps; plain ECMP
+    under the arbiter's id when it reserved nothing, or under one of the node's own when no
+    arbiter answered (``part`` None) or its id cannot be taken (not this host's, or held).
+    ``lease_s``: what is left of the part's lease (default: all of it)."""
+    if part is not None:
+        left = part.lease_s if lease_s is None else lease_s
+        try:
+            lease = node.place(part.flow, dst, nbytes, now, dport, part.path if part.reserved else None,
+                               shared=part.shared, lease_s=left, why=part.why)
+        except CoreError:
+            mine = part.reserved and part.flow[0] == node.host
+            return Placed(node.reserve(dst, nbytes, now, dport, unreserved=NO_ARBITER)[0],
+                          [part.flow] if mine else [], True)
+        # No port of that path free here: the arbiter need not keep it.
+        return Placed(lease, [part.flow] if part.reserved and not lease.reserved else [])
+    return Placed(node.reserve(dst, nbytes, now, dport, unreserved=NO_ARBITER)[0], [])
+
+
+def renewed_lease(node: Node, flow: FlowId, lease_s: float | None, answered: bool, now: float) -> Lease:
+    """A flow's lease after a renewal: ``lease_s`` is the arbiter's answer for it (-1: it
+    does not hold it; None: it was not asked, or ``answered`` False: nobody answered). Not
+    the arbiter's (ECMP): renewed here. No answer: as it stands, never extended."""
+    r = node.resolve(flow)
+    if lease_s is not None and lease_s >= 0:
+        return node.extend_to(r, lease_s, now)
+    if lease_s is not None and answered:
+        return node.unreserve(r, NOT_HELD, now)
+    local = node.core.local_flows().get(r)
+    return node.renew(flow, now)[0] if not (local and local[3]) else node.lease_of(flow, now)
+
+
+def apply_registration(node: Node, flows: Sequence[FlowId], answer: object, now: float,
+                       left: Callable[[float], float] = lambda s: s) -> tuple[list[FlowId], list[FlowId]]:
+    """A new leader's verdict on this host's registered leases: kept on their path (their
+    lease extended by ``left(lease_s)``), or unreserved. Returns (kept, lost): lost are
+    those the leader reserved elsewhere, to be released there. A flow it did not answer
+    stands until its lease ends (and is registered again with the next leader)."""
+    parts = {p.flow: p for p in answer.parts} if isinstance(answer, w.Grant) else {}
+    kept: list[FlowId] = []
+    lost: list[FlowId] = []
+    for f in flows:
+        local = node.core.local_flows().get(f)
+        p = parts.get(f)
+        if local is None or not local[3] or p is None:
+            continue
+        if p.reserved and p.path == local[1]:
+            node.extend_to(f, left(p.lease_s), now)
+            kept.append(f)
+        else:
+            node.unreserve(f, p.why or NOT_HELD, now)
+            if p.reserved:
+                lost.append(f)
+    return kept, lost
+
+
+def held_leases(node: Node, now: float) -> list[w.Held]:
+    """The node's live reservations, as a registration names them."""
+    return [w.Held(f, dst, dport, path, nbytes, shared, min(left, 86400.0))
+            for f, dst, dport, path, nbytes, shared, left in node.reserved_leases(now)]

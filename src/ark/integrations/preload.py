@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from types import TracebackType
-from typing import NamedTuple
+from typing import Any, NamedTuple, Self
 
 VERSION = 2
 MAX_PORTS = 4096
@@ -202,7 +202,36 @@ class RuleStats:
     ports: int
 
 
-class Rule:
+class NativeRule:
+    """A rule object of an interposer library (``_lib``: its ``enter``, ``leave`` and
+    ``free``; ``_handle``: the C object): entered by ``with``, freed once."""
+
+    _lib: Any
+    _handle: int | None = None
+
+    def _live(self) -> int:
+        if self._handle is None:
+            raise ValueError("rule: already closed")
+        return self._handle
+
+    def __enter__(self) -> Self:
+        self._lib.enter(self._live())
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self._lib.leave()
+
+    def close(self) -> None:
+        """Free the C object (the verbs interposer waits for an RTR in flight with it)."""
+        if self._handle is not None:
+            self._lib.free(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class Rule(NativeRule):
     """Connections from the thread that entered this rule, to ``dst_ip`` (any port but
     ``skip_port``): bound to its ports (``steer``) or only recorded.
 
@@ -245,11 +274,6 @@ class Rule:
             self.resolver_error = e
             return 0
 
-    def _live(self) -> int:
-        if self._handle is None:
-            raise ValueError("rule: already closed")
-        return self._handle
-
     def add_ports(self, ports: list[int], lanes: list[int] | None = None) -> int:
         """Append ports (with their lanes, 0..255, one per port); how many the rule took."""
         arr = _ports_array(ports)
@@ -275,17 +299,3 @@ class Rule:
         return [Connection(buf[3 * i], buf[3 * i + 1], None if buf[3 * i + 2] < 0 else bool(buf[3 * i + 2]))
                 for i in range(n)]
 
-    def __enter__(self) -> Rule:
-        self._lib.enter(self._live())
-        return self
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self._lib.leave()
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._lib.free(self._handle)
-            self._handle = None
-
-    def __del__(self) -> None:
-        self.close()

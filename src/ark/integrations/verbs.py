@@ -36,13 +36,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from ark.core.node import Lease
 from ark.core.roce import ROCE_SPORT_MAX, ROCE_SPORT_MIN
 from ark.integrations import preload
-from ark.integrations.preload import Laned, PreloadError
+from ark.integrations.preload import Laned, NativeRule, PreloadError
 
 VERSION = 1
 LIB_NAME = "libarkverbs"
@@ -271,7 +270,7 @@ def _repath_why(rc: int) -> str:
     return f"mlx5dv_modify_qp_udp_sport: {os.strerror(rc)} (needs an RC/UC QP in RTS and rts2rts_qp_udp_sport)"
 
 
-class QpRule:
+class QpRule(NativeRule):
     """The RTRs towards ``peer`` (an IPv4 or IPv6 address: the GRH's destination GID) of the
     thread that entered this rule (``with rule:``) or, once :meth:`install`\\ ed, of every
     thread: each gets the flow label of the rule's next port (``steer``), or is only
@@ -297,11 +296,6 @@ class QpRule:
         if laned.ports:
             rule.add_ports(laned.ports, laned.lanes)
         return rule
-
-    def _live(self) -> int:
-        if self._handle is None:
-            raise ValueError("rule: already closed")
-        return self._handle
 
     def _arrays(self, ports: Sequence[int], lanes: Sequence[int] | None) -> tuple[ctypes.Array[ctypes.c_uint16],
                                                                                ctypes.Array[ctypes.c_uint8] | None]:
@@ -352,21 +346,6 @@ class QpRule:
         rc = int(self._lib.repath(self._live(), qp_num, port))
         return Repath(qp_num, port, rc == 0, "" if rc == 0 else _repath_why(rc))
 
-    def __enter__(self) -> QpRule:
-        self._lib.enter(self._live())
-        return self
-
-    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self._lib.leave()
-
-    def close(self) -> None:
-        """Uninstall and free (waits for an RTR in flight with this rule)."""
-        if self._handle is not None:
-            self._lib.free(self._handle)
-            self._handle = None
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def main(argv: Sequence[str]) -> int:
