@@ -12,8 +12,7 @@ in 1/8), the policy (``ark``; a third ``ark-balance``), ``arbiter_timeout_s`` (`
 a third twice that), the fault mix and the workload. Time is simulated: one event heap
 of messages, timers, client actions and faults; every arbiter's and host's timer fires at
 its ``next_deadline``. ``python -m tests.vopr_arbiter SEED`` reruns a seed and prints its
-trace (``--strict``: without the harness's workarounds of known src bugs, see
-:data:`WORKAROUNDS`).
+trace.
 
 Faults (each seed draws its mix, :class:`Faults`):
 
@@ -27,7 +26,7 @@ Faults (each seed draws its mix, :class:`Faults`):
   only), split brain (each host reaches one arbiter, the arbiters not each other);
 * arbiter crashes (60 % of the seeds, 3 % of the steps), the leader four times in five;
   seven in ten restart 0.2-2 s later as a restarted ``ark arbiter`` does: an empty table,
-  the generation it kept (the highest it led or heard of), or one above it;
+  and the epoch it kept (the highest it led or heard of);
 * host crashes (40 % of the seeds, 3 % of the steps): its flows are never released nor
   renewed; seven in ten restart 0.05-1.5 s later with a new incarnation and a fresh link.
 
@@ -71,7 +70,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import os
 import random
 import sys
 from collections.abc import Hashable
@@ -82,7 +80,6 @@ from ark.core import arbiter_wire as w
 from ark.core.arbiter import Arbiter, ArbiterOut
 from ark.core.arbiter_host import (
     NO_ARBITER,
-    NOT_HELD,
     ArbiterLink,
     Done,
     LinkOut,
@@ -117,7 +114,7 @@ RETENTION = 2.0
 NBYTES = (10**6, 10**8, 10**9)
 LONGEST_LEASE = LEASE(max(NBYTES), min(FABRIC.path_rate_bps(0, 2, p) for p in range(3)))
 RENEW_EVERY = LEASE.min_s / 3
-REGISTER_TAG, GRANT_TAG, BEAT_TAG, SYNC_ASK_TAG = 4, 11, 21, 23  # a message's second byte: its kind (after the array's header)
+GRANT_TAG, BEAT_TAG = 11, 21  # a message's second byte: its kind (after the array's header)
 
 # Message timing: a base delay plus jitter, and now and then a message held back up to
 # SLOW_MAX more (a retransmission or two: longer than the grace). D_MAX bounds how long any
@@ -151,54 +148,6 @@ def recover_bound(arbiters: int, timeout: float) -> float:
     return TAKEOVER + (2 * (arbiters - 1) + 2) * BEAT + PROBE + arbiters * timeout + 6 * D_FAST
 
 
-# Bugs in src that the harness steps around until they are fixed: what each does instead,
-# and a seed that breaks an invariant without that workaround alone (tests/core/
-# test_vopr_arbiter.py KNOWN; ``python -m tests.vopr_arbiter --find KEY`` finds one;
-# ``--strict SEED`` or ``ARK_VOPR_ARBITER_STRICT=1`` runs with none of them).
-WORKAROUNDS: dict[str, str] = {
-    # ArkCore.place inserts the arbiter's reservation into the host's own table, whose rules
-    # may move it: a part granted exclusive on a path an earlier-placed flow of this host
-    # holds (a shared part of another grant whose answer came first under ark-balance, or a
-    # flow of an earlier epoch the new leader never heard of) is put on another free path
-    # (a port of it) while the arbiter holds the granted one. The agent (ArbiterForwarder.
-    # _part_lease) lets go only a part the node left unreserved. The harness lets go a
-    # moved part too: unreserved locally, dropped at the arbiter. Seed 71.
-    "repath": "a granted part the node moved to another path is unreserved and dropped",
-    # ArbiterLink numbers its request ids from 1 in every process, and the arbiter answers a
-    # request id it kept an answer for (the last 64 per host) with that answer: a restarted
-    # host's first requests get its previous incarnation's answers (a Grant of flows to
-    # another destination whose lease may be over, a Dropped for an Ask: plain ECMP). The
-    # harness starts a restarted host's ids at incarnation << 32. Seed 9.
-    "rid": "a restarted host's request ids start at incarnation << 32",
-    # A follower asks the leader for its table once per epoch (Arbiter._ask_sync: "asked
-    # already"): a lost SyncAsk or SyncPart (message loss, a one-way cut) leaves it unsynced
-    # until the leader changes; it then leads on an incomplete table. The harness lets a
-    # follower still unsynced 2 x BEAT after it asked ask again (clears its _syncing).
-    # Seed 3.
-    "sync": "a follower unsynced 2 x BEAT after its SyncAsk asks again",
-    # A host's lease ends lease_s after the answer arrived (place, extend_to), but the
-    # arbiter's began when it decided: the host holds it longer by the answer's time in
-    # flight, and by however long an answer kept for a retried request id waited. The
-    # arbiter keeps the links GRACE past the end; a request is taken up to arbiters x
-    # arbiter_timeout_s after it was sent, which can exceed GRACE (three arbiters, or
-    # arbiter_timeout_s above GRACE / 2 with two). The harness counts a lease from when its
-    # request was sent (the tag carries the time; registrations: when the Register left).
-    # Seed 251.
-    "lease": "a lease is counted from when its request was sent, not from the answer",
-    # A restarted arbiter starts following with epoch = kept generation x arbiters + rank
-    # and seen_epoch = that epoch; it ignores a leader whose epoch is below ("an old
-    # leader"). The live leader of that same generation has a lower epoch whenever its rank
-    # is lower (rank 0 leading, the standby restarted), and every time when the restart
-    # starts a generation above: the restarted arbiter then leads after takeover_s with an
-    # empty table, and the live leader steps down on its beat and takes that empty table.
-    # Restarting the standby wipes every reservation. The generation alone cannot tell a
-    # leader to follow from an old one (did it lead kept x arbiters + rank?): the fix keeps
-    # the highest epoch led or heard of. The harness keeps that epoch and lets an arbiter
-    # that has not led since it started follow a leader of at least that epoch (lowers its
-    # seen_epoch to the leader's; a later takeover still goes above both). Seed 62.
-    "restart": "a restarted arbiter follows a live leader of its own generation",
-}
-STRICT = os.environ.get("ARK_VOPR_ARBITER_STRICT", "") not in ("", "0")
 
 
 class Violation(AssertionError):
@@ -269,7 +218,6 @@ class Host:
     link: ArbiterLink
     clients: dict[int, Client] = field(default_factory=dict)
     asks: dict[int, float] = field(default_factory=dict)  # cid -> when asked (its clock)
-    sent: dict[tuple[FlowId, ...], float] = field(default_factory=dict)  # registrations: when sent
     # Reserved flows: the epoch of the answer that last set the lease (a grant, a renewal,
     # a registration). A flow's id keeps the epoch that first granted it.
     lease_epoch: dict[FlowId, int] = field(default_factory=dict)
@@ -298,7 +246,6 @@ class Summary:
     judged: int = 0  # asks begun a recovery bound after the last fault: they must be answered
     dead_judged: int = 0  # crashed host incarnations past DEAD_BOUND: nothing of theirs may be live
     bad_grants: int = 0
-    repathed_by_node: int = 0  # granted parts the host's node put on another path (WORKAROUNDS["repath"])
     timer_spins: int = 0  # timers that fired at their deadline and found nothing due (see Sim._wake)
 
 
@@ -306,9 +253,8 @@ class Sim:
     """One seed's cluster: arbiters ``N .. N + arbiters - 1`` and hosts ``0 .. N - 1`` as
     endpoints of one simulated network."""
 
-    def __init__(self, seed: int, *, trace: bool = False, strict: bool = STRICT) -> None:
+    def __init__(self, seed: int, *, trace: bool = False) -> None:
         self.seed = seed
-        self.workarounds = set() if strict else set(WORKAROUNDS)
         self.rng = random.Random(seed)
         rng = self.rng
         self.n_arbs = rng.choice([1, 2, 2, 2, 2, 2, 3, 3])
@@ -336,11 +282,8 @@ class Sim:
         self._ticked = -1  # the endpoint whose timer is being handled
         self.last_fault = self.t
         self.arbs: list[Arbiter | None] = [None] * self.n_arbs
-        self.gen = [0] * self.n_arbs  # the generation each arbiter keeps (its state_dir)
-        self.sync_asked = [-math.inf] * self.n_arbs  # when each last sent a SyncAsk
+        self.kept = [0] * self.n_arbs  # the epoch each arbiter keeps (its state_dir): the highest led or heard of
         self.led_since = [math.inf] * self.n_arbs  # when each began to lead
-        self.fresh = [True] * self.n_arbs  # has not led since it (re)started
-        self.kept_epoch = [-1] * self.n_arbs  # the highest epoch each led or heard of (WORKAROUNDS["restart"])
         self.top_epoch = -1  # the highest epoch any arbiter has led
         self.arb_fault = self.t  # the last fault between arbiters (a message lost or held back, a cut)
         self.hosts: list[Host | None] = [None] * N
@@ -433,11 +376,10 @@ class Sim:
         self._push(at, "wake", (ep, token, deadline))
 
     # ------------------------------------------------------------------ arbiters
-    def _start_arbiter(self, r: int, generation: int) -> None:
+    def _start_arbiter(self, r: int, seen_epoch: int) -> None:
         arb = Arbiter(FABRIC, rank=r, arbiters=self.n_arbs, policy=self.policy, lease=LEASE, heartbeat_s=BEAT,
-                      takeover_s=TAKEOVER, retention_s=RETENTION, expiry_grace_s=GRACE, generation=generation)
+                      takeover_s=TAKEOVER, retention_s=RETENTION, expiry_grace_s=GRACE, seen_epoch=seen_epoch)
         self.arbs[r] = arb
-        self.fresh[r] = True
         ep = N + r
         self.due[ep] = (math.inf, self.due[ep][1])
         self._arb_out(r, arb.start(self.local(ep)))
@@ -454,8 +396,6 @@ class Sim:
                     self._note_grant(o.host, inc_of, o.data)
                 self._send(ep, o.host, o.data)
             elif o.arbiter >= 0:
-                if o.data[1] == SYNC_ASK_TAG:
-                    self.sync_asked[r] = self.t
                 self._send(ep, N + o.arbiter, o.data)
 
     def _note_grant(self, host: int, inc: int, data: bytes) -> None:
@@ -471,9 +411,7 @@ class Sim:
         arb = self.arbs[r]
         if arb is None:
             return
-        self.gen[r] = max(self.gen[r], arb.seen_epoch // self.n_arbs)  # what ark arbiter keeps (state_dir)
-        if not self.fresh[r] or arb._following >= 0:
-            self.kept_epoch[r] = max(self.kept_epoch[r], arb.seen_epoch)
+        self.kept[r] = max(self.kept[r], arb.seen_epoch)  # what ark arbiter keeps (state_dir)
         self._wake(N + r, arb.next_deadline())
         now = self.local(N + r)
         table = arb.table.table(at=now)
@@ -506,12 +444,10 @@ class Sim:
     def _restart_arbiter(self, r: int) -> None:
         if self.arbs[r] is not None:
             return
-        # ark arbiter starts at the generation it kept; one that kept one above it is safe too.
-        g = self.gen[r] + self.rng.choice([0, 1])
-        self.log(f"arbiter {r} restarts at generation {g}")
+        self.log(f"arbiter {r} restarts from epoch {self.kept[r]}")
         self.summary.arbiter_restarts += 1
         self._fault()
-        self._start_arbiter(r, g)
+        self._start_arbiter(r, self.kept[r])
 
     # ------------------------------------------------------------------ hosts
     def _start_host(self, i: int) -> None:
@@ -522,9 +458,7 @@ class Sim:
                     heartbeat_s=10.0)
         h = Host(i, inc, node, None)  # type: ignore[arg-type]
         h.link = ArbiterLink(self.n_arbs, timeout_s=self.timeout, probe_s=PROBE, forget_epoch_s=FORGET,
-                             held=lambda now: self._held(h, now))
-        if "rid" in self.workarounds:
-            h.link._rid = inc << 32
+                             held=lambda now: self._held(h, now), incarnation=node.incarnation)
         self.hosts[i] = h
         self.due[i] = (math.inf, self.due[i][1])
         node.start(self.local(i))
@@ -535,17 +469,7 @@ class Sim:
 
     def _link_out(self, h: Host, outs: list[LinkOut]) -> None:
         for o in outs:
-            if o.data[1] == REGISTER_TAG:  # when the registration went out (WORKAROUNDS["lease"])
-                msg = w.decode_from_host(o.data)
-                assert isinstance(msg, w.Register)
-                h.sent.setdefault(tuple(x.flow for x in msg.held), self.local(h.index))
             self._send(h.index, N + o.rank, o.data, h.inc)
-
-    def _left(self, h: Host, lease_s: float, sent: float, now: float) -> float:
-        """What is left of a lease the arbiter gave ``lease_s`` for a request sent at ``sent``."""
-        if "lease" in self.workarounds:
-            return max(0.0, lease_s - (now - sent))
-        return lease_s
 
     def _after_host(self, h: Host) -> None:
         """As the agent after each batch: send, then handle what finished; arm the timer."""
@@ -561,20 +485,21 @@ class Sim:
         tag: Any = done.tag
         now = self.local(h.index)
         if tag[0] == "reserve":
-            self._granted(h, tag, done.answer, now)
+            self._granted(h, tag, done, now)
         elif tag[0] == "renew":
-            _, _cid, flows, held, sent = tag
+            _, _cid, flows, held = tag
             lease_s = done.answer.lease_s if isinstance(done.answer, w.Extended) else None
-            left = [self._left(h, x, sent, now) if x >= 0 else x for x in lease_s or ()]
+            left = [done.left(x, now) if x >= 0 else x for x in lease_s or ()]
             epoch = done.answer.epoch if isinstance(done.answer, w.Extended) else -1
             self._renewed(h, list(flows), dict(zip(held, left, strict=False)), now, answered=lease_s is not None,
                           epoch=epoch)
         elif tag[0] == "register":
-            self._registered(h, tag[1], done.answer, now, h.sent.pop(tag[1], now))
+            self._registered(h, tag[1], done, now)
 
     # The agent's glue (ark.agent.arbiter_link.ArbiterForwarder), on this host's node and link.
-    def _granted(self, h: Host, tag: tuple[Any, ...], answer: Any, now: float) -> None:
+    def _granted(self, h: Host, tag: tuple[Any, ...], done: Done, now: float) -> None:
         _, cid, dst, nbytes, parts, renews, probe = tag
+        answer = done.answer
         asked = h.asks.pop(cid)
         limit = self.n_arbs * self.timeout + 1e-9
         if self.t - asked > limit:
@@ -584,7 +509,7 @@ class Sim:
         q, r = divmod(nbytes, parts)
         shares: list[w.Part | None] = list(grant.parts) if grant is not None else [None] * parts
         epoch = grant.epoch if grant is not None else -1
-        leases = [self._part_lease(h, part, dst, q + (i < r), now, asked, epoch) for i, part in enumerate(shares)]
+        leases = [self._part_lease(h, part, dst, q + (i < r), now, done, epoch) for i, part in enumerate(shares)]
         self.summary.asks += 1
         self._judge(h, cid, asked, answer is not None)
         if answer is None:
@@ -612,20 +537,16 @@ class Sim:
             self._push(self.t + RENEW_EVERY, "renew", (h.index, h.inc, cid))
         self.dirty = True
 
-    def _part_lease(self, h: Host, part: w.Part | None, dst: int, nbytes: int, now: float, sent: float,
+    def _part_lease(self, h: Host, part: w.Part | None, dst: int, nbytes: int, now: float, done: Done,
                     epoch: int) -> Lease:
         placed = place_part(h.node, part, dst, nbytes, DPORT, now,
-                            None if part is None else self._left(h, part.lease_s, sent, now))
+                            None if part is None else done.left(part.lease_s, now))
         h.bad_grants += placed.bad
         self.summary.bad_grants += placed.bad
         self._drop(h, placed.drop)
         lease = placed.lease
         if part is not None and part.reserved and lease.reserved and lease.path != part.path:
-            # The node's own table put it elsewhere (see WORKAROUNDS["repath"]).
-            self.summary.repathed_by_node += 1
-            if "repath" in self.workarounds:
-                lease = h.node.unreserve(lease.flow_id, NOT_HELD, now)
-                self._drop(h, [part.flow])
+            self.fail(f"host {h.index}: granted {part.flow} on path {part.path}, its node put it on {lease.path}")
         if part is not None and lease.reserved:
             h.lease_epoch[lease.flow_id] = epoch
         return lease
@@ -652,7 +573,7 @@ class Sim:
         if not held:
             self._renewed(h, c.flows, {}, now)
         else:
-            self._link_out(h, h.link.extend(("renew", c.cid, tuple(c.flows), tuple(held), now), held, now))
+            self._link_out(h, h.link.extend(("renew", c.cid, tuple(c.flows), tuple(held)), held, now))
         self._push(self.t + RENEW_EVERY, "renew", (h.index, h.inc, c.cid))
 
     def _renewed(self, h: Host, flows: list[FlowId], lease_s: dict[FlowId, float], now: float,
@@ -678,11 +599,11 @@ class Sim:
         if moved or f not in h.lease_epoch:
             h.lease_epoch[f] = epoch
 
-    def _registered(self, h: Host, flows: tuple[FlowId, ...], answer: Any, now: float, sent: float) -> None:
-        node = h.node
+    def _registered(self, h: Host, flows: tuple[FlowId, ...], done: Done, now: float) -> None:
+        node, answer = h.node, done.answer
         before = {f: node.lease_of(f, now).expires for f in flows if node.holds(f)}
         reserved = [f for f in before if self._reserved(h, f)]
-        kept, lost = apply_registration(node, flows, answer, now, lambda s: self._left(h, s, sent, now))
+        kept, lost = apply_registration(node, flows, answer, now, lambda s: done.left(s, now))
         for f in kept:
             self._note_epoch(h, f, node.lease_of(f, now).expires > before[f], answer.epoch)
         self.summary.registered_kept += len(kept)
@@ -865,14 +786,6 @@ class Sim:
                 else:
                     self._push(self.t + 1e-4, "wake", (dst, -1, now))
             else:
-                if ("sync" in self.workarounds and not arb.synced and arb._syncing
-                        and self.t - self.sync_asked[r] > 2 * BEAT):
-                    arb._syncing = False  # asked long ago: ask again
-                if "restart" in self.workarounds and self.fresh[r] and data[1] != SYNC_ASK_TAG:
-                    msg = w.decode_between(data)
-                    leads = not isinstance(msg, w.Beat) or msg.leading
-                    if leads and self.kept_epoch[r] <= msg.epoch < arb.seen_epoch:
-                        arb.seen_epoch = msg.epoch  # no older than anything it led or heard of: follow it
                 outs = arb.on_arbiter(src - N, data, now)
             self._arb_out(r, outs, inc)
             self._role_changed(r, was)
@@ -930,7 +843,6 @@ class Sim:
             self._judge_takeover(arb)
             self.led_since[r] = self.t
             self.top_epoch = max(self.top_epoch, arb.epoch)
-            self.fresh[r] = False
 
     def _judge_takeover(self, arb: Arbiter) -> None:
         """Invariant 5: no takeover from a live leader whose beats got through. The leader
@@ -1099,41 +1011,15 @@ def drive(sim: Sim, steps: int = 90, quiet_every: int = 45) -> Sim:
     return sim
 
 
-def run(seed: int, steps: int = 90, quiet_every: int = 45, *, trace: bool = False, strict: bool = STRICT) -> Sim:
-    return drive(Sim(seed, trace=trace, strict=strict), steps, quiet_every)
-
-
-def find(bug: str, seeds: range) -> int | None:
-    """The first seed that breaks an invariant without the workaround ``bug`` alone."""
-    for s in seeds:
-        sim = Sim(s)
-        sim.workarounds.discard(bug)
-        try:
-            drive(sim)
-        except Violation as e:
-            print(e)
-            return s
-    return None
+def run(seed: int, steps: int = 90, quiet_every: int = 45, *, trace: bool = False) -> Sim:
+    return drive(Sim(seed, trace=trace), steps, quiet_every)
 
 
 def main(argv: list[str]) -> int:
-    """``python -m tests.vopr_arbiter [--strict] SEED...``: rerun seeds, printing each one's
-    trace (``--strict``: without the workarounds of known src bugs).
-    ``python -m tests.vopr_arbiter --find BUG [FIRST [LAST]]``: a seed that breaks an
-    invariant without the workaround ``BUG`` (a key of WORKAROUNDS)."""
-    if argv[:1] == ["--find"]:
-        bug, bounds = argv[1], [int(a) for a in argv[2:4]]
-        if bug not in WORKAROUNDS:
-            print(f"--find: one of {sorted(WORKAROUNDS)}; got {bug!r}")
-            return 2
-        first, last = (bounds + [0, 2000][len(bounds):])[:2]
-        seed = find(bug, range(first, last))
-        print(f"{bug}: seed {seed}" if seed is not None else f"{bug}: no seed in {first}..{last - 1}")
-        return 0 if seed is not None else 1
-    strict = STRICT or "--strict" in argv
-    seeds = [int(a) for a in argv if a != "--strict"] or [0]
+    """``python -m tests.vopr_arbiter SEED...``: rerun seeds, printing each one's trace."""
+    seeds = [int(a) for a in argv] or [0]
     for s in seeds:
-        sim = Sim(s, trace=True, strict=strict)
+        sim = Sim(s, trace=True)
         try:
             drive(sim)
         except Violation as e:

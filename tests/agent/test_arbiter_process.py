@@ -31,11 +31,15 @@ class _Host:
             self.socks.append(s)
 
     def call(self, rank: int, msg: w.FromHost, timeout_s: float = 2.0) -> w.ToHost | None:
+        """The answer to ``msg`` (late answers to earlier calls are skipped)."""
         s = self.socks[rank]
         s.send(w.encode(msg))
-        if not s.poll(int(timeout_s * 1000)):
-            return None
-        return w.decode_to_host(s.recv())
+        end = time.monotonic() + timeout_s
+        while s.poll(max(0, int((end - time.monotonic()) * 1000))):
+            reply = w.decode_to_host(s.recv())
+            if reply.rid == msg.rid:
+                return reply
+        return None
 
     def close(self) -> None:
         self.ctx.destroy(0)
@@ -83,6 +87,40 @@ def test_a_killed_primary_is_replaced_by_the_standby_which_keeps_its_grants(tmp_
         assert isinstance(ext, w.Extended) and ext.lease_s[0] > 0  # the standby followed the grant
         nxt = host.call(1, w.Ask(5, pong.epoch, dst, 10**9, 4791))
         assert isinstance(nxt, w.Grant) and nxt.parts[0].reserved and nxt.parts[0].path != grant.parts[0].path
+    finally:
+        host.close()
+        procs.stop_all()
+
+
+def test_a_restarted_standby_follows_the_live_leader_and_keeps_the_epoch_it_heard(tmp_path: Path) -> None:
+    """The standby's own epoch of the leader's generation is higher than the leader's; after
+    a restart it must still follow the live leader, not lead on an empty table."""
+    # The default takeover_s: the restarted standby's first beat from the leader comes over a
+    # fresh CURVE connection, which a loaded machine can delay past a short takeover_s.
+    cf, names = write_cluster(tmp_path, 4, arbiters=2, takeover_s=1.0, lease_min_s=4.0)
+    procs = AgentProcs(cf, [], tmp_path)
+    procs.start("arb0")
+    procs.start("arb1")
+    host = _Host(cf, names[0])
+    dst = load_cluster(cf).host(names[1]).index
+    try:
+        def primary_grants() -> w.ToHost | None:
+            r = host.call(0, w.Ask(1, 0, dst, 10**9, 4791), 0.5)
+            return r if isinstance(r, w.Grant) else None
+
+        grant = _until(primary_grants, 10.0)
+        assert isinstance(grant, w.Grant) and grant.parts[0].reserved, grant
+        kept = tmp_path / "state" / "arbiter-arb1.epoch"
+        assert _until(lambda: kept.exists() and int(kept.read_text()) == grant.epoch, 5.0)
+        procs.kill("arb1")
+        procs.start("arb1")
+        time.sleep(3.0)  # takeover_s plus two beats: it would have led by now
+        pong = host.call(0, w.Ping(2, grant.epoch))
+        assert isinstance(pong, w.Pong) and pong.epoch == grant.epoch, pong  # the leader still leads its epoch
+        refused = host.call(1, w.Ask(3, grant.epoch, dst, 10**9, 4791))
+        assert isinstance(refused, w.Refused) and refused.leader == 0
+        ext = host.call(0, w.Extend(4, grant.epoch, [grant.parts[0].flow]))
+        assert isinstance(ext, w.Extended) and ext.lease_s[0] > 0
     finally:
         host.close()
         procs.stop_all()

@@ -177,3 +177,87 @@ def test_a_placed_flow_takes_a_port_of_the_granted_path_and_the_arbiters_lease()
         node.place((0, 5 << 32 | 4), 8, 1, 1.0, 4791, 9)
     fallback, _ = node.reserve(8, 10, 1.0, 4791, unreserved=NO_ARBITER)
     assert not fallback.reserved and fallback.fallback == NO_ARBITER
+
+
+# ---------------------------------------------------------------------- fixed bugs, pinned
+def test_request_ids_start_at_the_incarnation_so_a_restart_never_reuses_one() -> None:
+    before = ArbiterLink(1, incarnation=7)
+    before.ask("x", 8, 1, 4791, 1, 0.0)
+    after = ArbiterLink(1, incarnation=8)  # the same host, restarted
+    after.ask("y", 8, 1, 4791, 1, 0.0)
+    assert before._rid == 7 << 32 | 1 and after._rid == 8 << 32 | 1
+    with pytest.raises(CoreError, match=r"incarnation: must be 0\.\.1073741823; got 1073741824"):
+        ArbiterLink(1, incarnation=1 << 30)
+
+
+def test_a_timeout_fires_at_the_deadline_the_link_gives() -> None:
+    """sent_at + timeout_s - sent_at can be below timeout_s in floats: the timer must not spin."""
+    sent, timeout = 0.7, 0.1
+    assert (sent + timeout) - sent < timeout  # the rounding this guards against
+    link = ArbiterLink(2, timeout_s=timeout)
+    outs = link.ask("x", 8, 1, 4791, 1, sent)
+    assert outs[0].rank == 0
+    again = link.tick(link.next_deadline())
+    assert [o.rank for o in again] == [1] and link.counters.timeouts == 1
+
+
+def test_a_lease_is_counted_from_when_the_request_was_first_sent() -> None:
+    net = _Wire()
+    net.run_until(0.6)
+    asked = net.now
+    outs = net.link.ask("late", 8, 10**9, 4791, 1, asked)
+    net.now = asked + 0.04  # the request reaches the arbiter late; its lease begins there
+    net.to_arbiters(outs)
+    (done,) = net.link.take_done()
+    assert done.asked_at == asked and isinstance(done.answer, w.Grant)
+    part = done.answer.parts[0]
+    assert done.left(part.lease_s, asked + 0.3) == pytest.approx(part.lease_s - 0.3)
+    assert done.left(part.lease_s, asked + 1e6) == 0.0
+
+
+def test_a_granted_path_is_pinned_on_the_host_whatever_its_own_table_holds() -> None:
+    """An earlier leader's flow on path 1 (the new leader never heard of it) and a new grant
+    of path 1: the node keeps both there; its own table never decides a grant again."""
+    node = _node()
+    old = node.place((0, 2 << 32 | 1), 8, 10**9, 1.0, 4791, 1, lease_s=30.0)
+    new = node.place((0, 5 << 32 | 1), 8, 10**9, 2.0, 4791, 1, lease_s=30.0)
+    assert old.reserved and new.reserved and old.path == new.path == 1
+    node.tick(3.0)
+    assert {f: path for f, _, _, path, *_ in node.reserved_leases(3.0)} == {old.flow_id: 1, new.flow_id: 1}
+    assert node.lease_of(new.flow_id, 3.0).path == 1 and PathMapCache(PAPER)(0, 8, 4791).path_of(
+        node.lease_of(new.flow_id, 3.0).src_port) == 1
+
+
+def test_a_restarted_standby_follows_a_live_leader_of_a_lower_rank() -> None:
+    """Rank 0 leads epoch 2 (generation 1); the standby restarts having heard of epoch 2: its
+    own epoch of that generation (3) is higher, yet it follows rank 0 and takes its table."""
+    net = _Wire()
+    net.run_until(0.6)
+    net.to_arbiters(net.link.ask("a", 8, 10**11, 4791, 1, net.now))
+    (grant,) = net.link.take_done()
+    lead = net.arbs[0]
+    assert lead.leading and lead.epoch == 2 and net.arbs[1].seen_epoch == 2
+    net.arbs[1] = Arbiter(PAPER, rank=1, arbiters=2, lease=LEASE, heartbeat_s=0.1, takeover_s=0.5,
+                          seen_epoch=net.arbs[1].seen_epoch)
+    net._between(net.arbs[1].start(net.now))
+    net.run_until(net.now + 2.0)
+    assert lead.leading and lead.epoch == 2 and not net.arbs[1].leading and net.arbs[1].synced
+    assert grant.answer.parts[0].flow in net.arbs[1].table.table()  # type: ignore[union-attr]
+
+
+def test_a_follower_asks_for_the_table_again_when_its_ask_was_lost() -> None:
+    lead = Arbiter(PAPER, rank=0, arbiters=2, lease=LEASE, heartbeat_s=0.1, takeover_s=0.5)
+    follower = Arbiter(PAPER, rank=1, arbiters=2, lease=LEASE, heartbeat_s=0.1, takeover_s=0.5)
+    lead.start(0.0)
+    follower.start(0.0)
+    lead.tick(0.6)
+    assert lead.leading
+    beat = w.encode(w.Beat(lead.epoch, True, True))
+    first = follower.on_arbiter(0, beat, 0.6)
+    assert [w.decode_between(o.data) for o in first] == [w.SyncAsk(follower.epoch)]  # lost on the way
+    assert follower.on_arbiter(0, beat, 0.7) == []  # asked already: waits a while
+    again = follower.on_arbiter(0, beat, 0.81)  # two beats later: asks again
+    assert [type(w.decode_between(o.data)) for o in again] == [w.SyncAsk]
+    for o in lead.on_arbiter(1, again[0].data, 0.81):
+        follower.on_arbiter(0, o.data, 0.81)
+    assert follower.synced and not follower._syncing

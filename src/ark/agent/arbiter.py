@@ -28,7 +28,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from ark.agent.cluster import ArbiterEntry, Cluster
-from ark.agent.incarnation import IncarnationError, keep_generation
+from ark.agent.incarnation import IncarnationError, keep_epoch
 from ark.agent.logs import event as _ev
 from ark.agent.logs import setup_logging
 from ark.agent.sockets import (
@@ -62,13 +62,13 @@ class ArbiterProcess:
         c = cluster
         limits = ArbiterLimits(max_flows_per_host=c.max_flows_per_host, rate_per_host=c.arbiter_rate_per_host,
                                burst_per_host=c.arbiter_burst_per_host)
-        try:  # one generation above any this arbiter has led or heard of: hosts refuse older epochs
-            self._generation = keep_generation(c.state_dir, f"arbiter-{name}", 0)
+        try:  # the highest epoch this arbiter led or heard of: it leads above it (hosts refuse older epochs)
+            self._seen_epoch = keep_epoch(c.state_dir, f"arbiter-{name}", 0)
         except IncarnationError as e:
             raise AgentError(str(e)) from None
         self.core = Arbiter(c.fabric, rank=self.me.rank, arbiters=len(c.arbiters), policy=c.policy, lease=c.lease(),
                             limits=limits, heartbeat_s=c.takeover_s / 5, takeover_s=c.takeover_s,
-                            retention_s=c.retention_s, generation=self._generation)
+                            retention_s=c.retention_s, seen_epoch=self._seen_epoch)
         self._sender: dict[bytes, tuple[int, int]] = {h.public_key.encode(): (h.index, -1) for h in c.hosts}
         self._sender.update({a.public_key.encode(): (-1, a.rank) for a in c.arbiters})
         self._stop = False
@@ -203,13 +203,13 @@ class ArbiterProcess:
             log.exception(**_ev("handler_error", name=self.me.name, count=self.errors))
 
     def _log_role(self) -> None:
-        generation = self.core.seen_epoch // self.core.arbiters
-        if generation > self._generation:  # led or heard of: a restart starts above it
+        seen = self.core.seen_epoch
+        if seen > self._seen_epoch:  # led or heard of: a restart starts from it
             try:
-                self._generation = keep_generation(self.cluster.state_dir, f"arbiter-{self.me.name}", generation)
+                self._seen_epoch = keep_epoch(self.cluster.state_dir, f"arbiter-{self.me.name}", seen)
             except IncarnationError as e:  # a restart may then lead below it: hosts wait, then forget it
-                self._generation = generation
-                log.error(**_ev("generation_not_kept", name=self.me.name, error=str(e)))
+                self._seen_epoch = seen
+                log.error(**_ev("epoch_not_kept", name=self.me.name, error=str(e)))
         role = f"{self.core.role}/{self.core.epoch}"
         if role != self._role:
             self._role = role

@@ -54,7 +54,8 @@ class ArbiterForwarder:
         self.agent = agent
         c = agent.cluster
         self.link = ArbiterLink(len(c.arbiters), timeout_s=c.arbiter_timeout_s, probe_s=c.takeover_s / 5,
-                                forget_epoch_s=c.max_lease_s + c.takeover_s, held=self._held)
+                                forget_epoch_s=c.max_lease_s + c.takeover_s, held=self._held,
+                                incarnation=agent.node.incarnation)
         self.socks: dict[int, zmq.Socket] = {}
         self._rank: dict[zmq.Socket, int] = {}
         self.unsent = 0
@@ -161,24 +162,27 @@ class ArbiterForwarder:
         tag: Any = done.tag
         kind = tag[0]
         if kind == "reserve":
-            self._granted(tag, done.answer, now)
+            self._granted(tag, done, now)
         elif kind == "renew":
             _, rid, flows, one, held = tag
             lease_s = done.answer.lease_s if isinstance(done.answer, w.Extended) else None
-            self.agent.reply(rid, self._renewed(list(flows), one, dict(zip(held, lease_s or (), strict=False)), now,
+            left = [done.left(s, now) if s >= 0 else s for s in lease_s or ()]
+            self.agent.reply(rid, self._renewed(list(flows), one, dict(zip(held, left, strict=False)), now,
                                                 answered=lease_s is not None))
         elif kind == "register":
-            self._registered(tag[1], done.answer, now)
+            self._registered(tag[1], done, now)
 
-    def _granted(self, tag: tuple[Any, ...], answer: Any, now: float) -> None:
+    def _granted(self, tag: tuple[Any, ...], done: Done, now: float) -> None:
         _, rid, pid, dst, nbytes, dport, parts, connections = tag
         api = self.agent.api
+        answer = done.answer
         grant = answer if isinstance(answer, w.Grant) and answer.parts else None
         q, r = divmod(nbytes, parts or 1)
         leases: list[Lease] = []
         shares = grant.parts if grant is not None else [None] * (parts or 1)
         for i, part in enumerate(shares):
-            leases.append(self._part_lease(part, dst, q + (i < r), dport, now))
+            leases.append(self._part_lease(part, dst, q + (i < r), dport, now,
+                                           None if part is None else done.left(part.lease_s, now)))
         api.pid = pid
         api.hold(leases)
         if parts is None:
@@ -187,8 +191,9 @@ class ArbiterForwarder:
         share = -(-connections // max(1, sum(le.reserved for le in leases)))
         self.agent.reply(rid, {"ok": True, "leases": [api.with_ports(le, share) for le in leases]})
 
-    def _part_lease(self, part: w.Part | None, dst: int, nbytes: int, dport: int, now: float) -> Lease:
-        placed = place_part(self.agent.node, part, dst, nbytes, dport, now)
+    def _part_lease(self, part: w.Part | None, dst: int, nbytes: int, dport: int, now: float,
+                    lease_s: float | None) -> Lease:
+        placed = place_part(self.agent.node, part, dst, nbytes, dport, now, lease_s)
         self.bad_grants += placed.bad
         self.drop(placed.drop)
         return placed.lease
@@ -204,9 +209,9 @@ class ArbiterForwarder:
             return {"ok": True, "lease": lease_dict(leases[0])}
         return {"ok": True, "leases": [lease_dict(le) for le in leases]}
 
-    def _registered(self, flows: tuple[tuple[int, int], ...], answer: Any, now: float) -> None:
+    def _registered(self, flows: tuple[tuple[int, int], ...], done: Done, now: float) -> None:
         """A new leader's verdict on this host's leases: kept on their path, or unreserved."""
-        kept, lost = apply_registration(self.agent.node, flows, answer, now)
+        kept, lost = apply_registration(self.agent.node, flows, done.answer, now, lambda s: done.left(s, now))
         self.drop(lost)
         log.info(**_ev("leases_registered", host=self.agent.me.name, flows=len(flows), epoch=self.link.epoch,
                        kept=len(kept)))

@@ -51,20 +51,21 @@ def next_incarnation(state_dir: str | Path, host: str, clock: Callable[[], float
     return inc
 
 
-def keep_generation(state_dir: str | Path, name: str, generation: int) -> int:
-    """An arbiter's generation counter: store ``generation`` if above the stored one, and
-    return the larger. An arbiter stores each generation it leads or hears of, and starts
-    one above the stored value, so that a restart never leads with an epoch hosts have
-    seen (a missing file starts at 0: hosts then wait until they forget the old epoch)."""
-    path = Path(state_dir) / f"{name}.generation"
+def keep_epoch(state_dir: str | Path, name: str, epoch: int) -> int:
+    """An arbiter's highest epoch led or heard of: store ``epoch`` if above the stored one,
+    and return the larger. An arbiter stores each epoch it leads or hears of and starts
+    from the stored value: it follows a leader of that epoch or above, and leads a
+    generation above it, so that a restart never leads with an epoch hosts have seen (a
+    missing file starts at 0: hosts then wait until they forget the old epoch)."""
+    path = Path(state_dir) / f"{name}.epoch"
     try:
         Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
         prev = _read(path)
-        if generation > prev:
-            _store(path, generation)
+        if epoch > prev:
+            _store(path, epoch)
     except OSError as e:
         raise IncarnationError(f"state_dir: cannot keep {path}: {e.strerror}") from None
-    return max(prev, generation)
+    return max(prev, epoch)
 
 
 def _store(path: Path, value: int) -> None:

@@ -26,11 +26,14 @@ Arbiters are ranked (the cluster file's order). Each one's epoch is
 new leader always takes a generation above every epoch it has seen. The leader sends
 every table message it applies to the follower (:class:`~ark.core.arbiter_wire.Changes`)
 and a :class:`~ark.core.arbiter_wire.Beat` every ``heartbeat_s``; a follower that missed
-any asks for the whole table again. A follower that hears no leader for ``takeover_s``
+any asks for the whole table again (and again two beats later while it has not got it). A follower that hears no leader for ``takeover_s``
 leads with a new epoch, on the table it holds (rank r waits two beats more per rank,
 so that at a cold start the first rank leads). An arbiter that learns of a higher epoch
 than its own (a host's message, the other arbiter's beat) stops leading and follows.
-Transitions (``_LEADING``/``_FOLLOWING``) all go through :meth:`Arbiter._become`.
+An arbiter starts from the highest epoch it led or heard of before (``seen_epoch``, kept
+across restarts by ``ark arbiter``): it follows any leader of that epoch or above, and
+leads only a generation above it. Transitions (``_LEADING``/``_FOLLOWING``) all go through
+:meth:`Arbiter._become`.
 
 Every flow id carries the epoch that granted it (``seq = epoch << 32 | n``). A new leader
 takes renewals only of flows its table holds: those it followed, and those a host
@@ -141,12 +144,14 @@ class Arbiter:
     def __init__(
         self, routes: Routes, *, rank: int = 0, arbiters: int = 1, policy: str = "ark", lease: LeaseFn | None = None,
         limits: ArbiterLimits | None = None, heartbeat_s: float = 0.25, takeover_s: float = 1.0,
-        retention_s: float = 5.0, expiry_grace_s: float = 0.25, generation: int = 0,
+        retention_s: float = 5.0, expiry_grace_s: float = 0.25, seen_epoch: int = 0,
     ) -> None:
         if not 1 <= arbiters <= 16 or not 0 <= rank < arbiters:
             raise CoreError(f"rank: must be 0..{arbiters - 1} of 1..16 arbiters; got {rank} of {arbiters}")
         if not 0 < heartbeat_s < takeover_s:
             raise CoreError(f"takeover_s: must be > heartbeat_s ({heartbeat_s}) > 0; got {takeover_s}")
+        if not 0 <= seen_epoch < 1 << 30:
+            raise CoreError(f"seen_epoch: must be 0..{(1 << 30) - 1}; got {seen_epoch}")
         self.routes, self.rank, self.arbiters, self.policy = routes, rank, arbiters, policy
         self.limits = limits or ArbiterLimits()
         self.heartbeat_s, self.takeover_s = heartbeat_s, takeover_s
@@ -155,8 +160,13 @@ class Arbiter:
         self._lease = lease
         self._retention, self._grace = retention_s, expiry_grace_s
         self.table = self._new_table()
-        self.epoch = generation * arbiters + rank
-        self.seen_epoch = self.epoch
+        # seen_epoch: the highest epoch this arbiter led or heard of before it (re)started
+        # (kept across restarts). It follows a leader of that epoch or above, whatever its
+        # rank (its own epoch of that generation may be higher: a standby restarting beside
+        # a live leader must follow it, not lead on an empty table), and it leads a
+        # generation above it.
+        self.epoch = seen_epoch // arbiters * arbiters + rank
+        self.seen_epoch = seen_epoch
         self.role = _FOLLOWING
         self.synced = arbiters == 1  # holds the leader's whole table (or is the only arbiter)
         self._n = 0  # flows granted in this epoch
@@ -166,6 +176,8 @@ class Arbiter:
         self._started: float | None = None
         self._next_beat = -INF
         self._syncing = False
+        self._sync_asked = -INF  # when the last SyncAsk went out (one lost is asked again)
+        self._sync_at = -1  # the stream position of the table being fetched
         # Path rates per (src, dst, path): every pair of a large fabric asks, so the cache is bounded.
         self._rate = functools.lru_cache(maxsize=1 << 16)(routes.path_rate_bps)
         self._following = -1  # the epoch whose table this follower holds or is fetching
@@ -503,15 +515,19 @@ class Arbiter:
             if self.synced:  # a gap in the stream (a reconnect lost some): fetch the whole table
                 self.counters.gaps += 1
                 self.synced = False
-            return self._ask_sync(rank, msg.epoch)
+            return self._ask_sync(rank, msg.epoch, now)
         if not self.synced or msg.epoch != self._following:
-            return self._ask_sync(rank, msg.epoch)
+            return self._ask_sync(rank, msg.epoch, now)
         return []
 
-    def _ask_sync(self, rank: int, epoch: int) -> list[ArbiterOut]:
-        if self._syncing and epoch == self._following:
-            return []  # asked already
+    def _ask_sync(self, rank: int, epoch: int, now: float) -> list[ArbiterOut]:
+        # Asked already: wait for the answer, two beats; the SyncAsk or a SyncPart may be
+        # lost (a one-way cut, a reconnect), and an unsynced follower would lead on part of
+        # the table.
+        if self._syncing and epoch == self._following and now - self._sync_asked < 2 * self.heartbeat_s:
+            return []
         self._syncing, self._following, self.synced = True, epoch, False
+        self._sync_asked = now
         return self._to_rank(rank, w.SyncAsk(self.epoch))
 
     def _to_rank(self, rank: int, msg: w.Between) -> list[ArbiterOut]:
@@ -530,8 +546,8 @@ class Arbiter:
         if msg.first:
             self.table = self._new_table()
             self._hosts = {}
-            self._syncing = True
-        if not self._syncing:
+            self._syncing, self._sync_at = True, msg.at
+        if not self._syncing or msg.at != self._sync_at:  # a part of an earlier answer (asked again)
             return
         self._apply(msg.msgs)
         if msg.last:

@@ -47,10 +47,19 @@ class LinkOut(NamedTuple):
 
 
 class Done(NamedTuple):
-    """A finished request: the caller's ``tag`` and the answer (None: no arbiter answered)."""
+    """A finished request: the caller's ``tag`` and the answer (None: no arbiter answered);
+    ``asked_at``: when the request was first sent."""
 
     tag: Hashable
     answer: w.Grant | w.Extended | w.Dropped | w.Pong | None
+    asked_at: float = -math.inf
+
+    def left(self, lease_s: float, now: float) -> float:
+        """What is left at ``now`` of a lease the answer gave ``lease_s`` for. The arbiter's
+        lease began when it decided, which is after the request was first sent (a retry can
+        get an answer kept from the first try): counted from then, the host's lease never
+        outlives the arbiter's, however long the answer took."""
+        return max(0.0, lease_s - max(0.0, now - self.asked_at))
 
 
 @dataclass
@@ -74,20 +83,25 @@ class _Pending:
     tag: Hashable
     msg: w.FromHost
     rank: int
-    sent_at: float
+    sent_at: float  # the last time it was sent (to ``rank``)
+    asked_at: float  # the first time
     tried: set[int] = field(default_factory=set)
 
 
 class ArbiterLink:
-    """One host's link to ``arbiters`` ranked arbiters."""
+    """One host's link to ``arbiters`` ranked arbiters. ``incarnation``: the host process's,
+    at most 2**30 - 1; request ids start at ``incarnation << 32`` so that a restarted host
+    never reuses an id the arbiter kept an answer for (it would get that answer again)."""
 
     def __init__(self, arbiters: int, *, timeout_s: float = 0.1, probe_s: float = 0.2, forget_epoch_s: float = 30.0,
-                 held: Callable[[float], list[w.Held]] | None = None) -> None:
+                 held: Callable[[float], list[w.Held]] | None = None, incarnation: int = 0) -> None:
         if not 1 <= arbiters <= 16:
             raise CoreError(f"arbiters: must be 1..16; got {arbiters}")
         for name, v in (("timeout_s", timeout_s), ("probe_s", probe_s), ("forget_epoch_s", forget_epoch_s)):
             if not (math.isfinite(v) and v > 0):
                 raise CoreError(f"{name}: must be a finite number > 0; got {v}")
+        if not 0 <= incarnation < 1 << 30:
+            raise CoreError(f"incarnation: must be 0..{(1 << 30) - 1}; got {incarnation}")
         self.arbiters = arbiters
         self.timeout_s, self.probe_s, self.forget_epoch_s = timeout_s, probe_s, forget_epoch_s
         self._held = held or (lambda now: [])
@@ -98,7 +112,7 @@ class ArbiterLink:
         self.up = True  # False after an unanswered request, until an arbiter leads again
         self.down_since: float | None = None
         self.down_s = 0.0  # time spent down, in total
-        self._rid = 0
+        self._rid = incarnation << 32
         self._pending: dict[int, _Pending] = {}
         self._done: list[Done] = []
         self._next_probe = math.inf
@@ -135,9 +149,9 @@ class ArbiterLink:
 
     def _request(self, tag: Hashable, msg: w.FromHost, now: float) -> list[LinkOut]:
         if not self.up or len(self._pending) >= MAX_PENDING:
-            self._finish(tag, None)
+            self._finish(tag, None, now)
             return []
-        p = self._pending[msg.rid] = _Pending(tag, msg, self.leader, now)
+        p = self._pending[msg.rid] = _Pending(tag, msg, self.leader, now, now)
         return self._send(p, now)
 
     def _send(self, p: _Pending, now: float) -> list[LinkOut]:
@@ -146,13 +160,14 @@ class ArbiterLink:
         self.counters.sent += 1
         return [LinkOut(p.rank, w.encode(p.msg))]
 
-    def _finish(self, tag: Hashable, answer: w.Grant | w.Extended | w.Dropped | w.Pong | None) -> None:
+    def _finish(self, tag: Hashable, answer: w.Grant | w.Extended | w.Dropped | w.Pong | None,
+                asked_at: float) -> None:
         if answer is None:
             self.counters.unanswered += 1
         else:
             self.counters.answered += 1
         if tag is not None:
-            self._done.append(Done(tag, answer))
+            self._done.append(Done(tag, answer, asked_at))
 
     def take_done(self) -> list[Done]:
         done, self._done = self._done, []
@@ -181,7 +196,7 @@ class ArbiterLink:
         if p is None:
             self.counters.unknown_rid += 1
             return out
-        self._finish(p.tag, msg)
+        self._finish(p.tag, msg, p.asked_at)
         return out
 
     def _current(self, epoch: int, now: float) -> bool:
@@ -247,7 +262,7 @@ class ArbiterLink:
                        if r not in p.tried), None)
         if to is None:
             del self._pending[p.msg.rid]
-            self._finish(p.tag, None)
+            self._finish(p.tag, None, p.asked_at)
             if isinstance(p.msg, w.Drop) and len(self._undropped) < MAX_PENDING:
                 self._undropped.extend(p.msg.flows)  # the next leader may hold them: told when found
             self._go_down(now)
@@ -265,7 +280,9 @@ class ArbiterLink:
     def tick(self, now: float) -> list[LinkOut]:
         """Requests past ``timeout_s`` go on to the next arbiter; probes while down."""
         out: list[LinkOut] = []
-        for p in [p for p in self._pending.values() if now - p.sent_at >= self.timeout_s]:
+        # The same sum as next_deadline's: now - sent_at >= timeout_s can be false at that
+        # deadline (rounding), and the caller's timer would fire again and again.
+        for p in [p for p in self._pending.values() if now >= p.sent_at + self.timeout_s]:
             self.counters.timeouts += 1
             out += self._next(p, now)
         if not self.up and now >= self._next_probe:

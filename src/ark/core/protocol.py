@@ -335,7 +335,9 @@ class ArkCore:
         """Record a local flow whose path someone else decided (an arbiter): ``flow`` is
         the id it gave, ``path`` its path (None: plain ECMP, ``why`` says why). The flow
         takes a source port of that path from this host's maps, and its reservation goes
-        into this table (which then holds only this host's flows: nothing is broadcast)."""
+        into this table (which then holds only this host's flows: nothing is broadcast),
+        pinned to that path: this table never decides it again (the arbiter's table may
+        hold what this one does not, and the other way round)."""
         self.check_request(dst, nbytes, dport)
         if flow in self._own or flow[0] != self.host:
             raise CoreError(f"flow: {flow} is already a local flow or not this host's")
@@ -356,7 +358,7 @@ class ArkCore:
         self._own[flow] = _Own(flow, dst, dport, path, port, True)
         self._unreleased.add(flow)
         self.counters.reserved += 1
-        self.sync(self._table.insert(msg))
+        self.sync(self._table.insert(msg, pinned=True))
         self.flush()
         return Decision(flow, dst, dport, path, port, flow_label_for_sport(port), reserved=True, shared=shared,
                         fallback=shared, messages=())

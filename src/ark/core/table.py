@@ -430,9 +430,13 @@ class ReservationTable:
         else:
             self._early_per_owner.pop(flow[0], None)
 
-    def insert(self, msg: Reserve) -> Changed:
-        """Add an admissible RESERVE; the changed flows include ``msg.flow`` itself."""
+    def insert(self, msg: Reserve, pinned: bool = False) -> Changed:
+        """Add an admissible RESERVE; the changed flows include ``msg.flow`` itself.
+        ``pinned``: it holds ``msg.path`` (shared as ``msg.shared``) whatever else this
+        table holds, and no recomputation moves it (someone else decided it: an arbiter)."""
         entry = Entry(msg, None, None, False, msg.expires)  # positional: the hottest constructor
+        if pinned:
+            entry.path, entry.shared, entry.frozen = msg.path, msg.shared, True
         key = msg.key
         # The fast path is exact when the holders index equals "entries whose end is
         # after msg.ts": no larger key exists and nothing ended early after msg.ts.
@@ -462,6 +466,12 @@ class ReservationTable:
         if entry.end <= self._expired_upto:
             fast = False
         self._push_end(entry)
+        if pinned:
+            if entry.released is None and entry.end > self._expired_upto:
+                self._hold(msg.flow, self.links(msg, msg.path))
+            if not fast:
+                self._defer(key)  # later keys may now be decided otherwise
+            return [msg.flow]
         if not fast:
             self._defer(key)  # settle() evaluates it, with whatever else arrives in the batch
             return []
