@@ -1,9 +1,8 @@
-"""The RoCEv2 wire check (scripts/roce-wire-check.py): its parts here, its capture on the
+"""The RoCEv2 wire check (ark testbed roce-check, scripts/roce-wire-check.py): its parts here, its capture on the
 namespace testbed with plain UDP datagrams standing in for RoCEv2 (no Soft-RoCE needed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import struct
 import subprocess
@@ -59,19 +58,23 @@ def test_why_not_names_one_reason() -> None:
     assert why is None or "\n" not in why
 
 
-def test_the_script_skips_in_one_line_without_soft_roce() -> None:
+@pytest.mark.parametrize("argv", [[str(SCRIPT)], ["-m", "ark", "testbed", "roce-check"]])
+def test_the_script_and_the_testbed_option_skip_in_one_line_without_soft_roce(argv) -> None:
     if rocewire.why_not() is None:
         pytest.skip("this machine has Soft-RoCE: the script would run the real check")
-    res = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60, check=False)
+    res = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=60, check=False)
     assert res.returncode == 0 and res.stderr == ""
     assert res.stdout.count("\n") == 1 and res.stdout.startswith("roce-wire-check: skipped: ")
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("roce_wire_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def test_spine_counters_must_cover_the_capture() -> None:
+    from ark.testbed.roce import WireCheck, WireCheckError, counters_agree
+
+    seen = {49153: {0: 10}, 49154: {1: 7}}
+    assert counters_agree(seen, [100, 50], [112, 57]) == []
+    assert counters_agree(seen, [100, 50], [105, 57]) == [0]  # spine 0 counted fewer than were captured there
+    with pytest.raises(WireCheckError, match=r"per_spine: expected an integer 1\.\.64; got 0"):
+        WireCheck(per_spine=0)
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +94,16 @@ def test_capture_sees_each_leased_port_at_its_spine(bed) -> None:
     """The check's port choice (the leaf's own routes) and its spine capture, end to end on
     the testbed, with UDP datagrams to port 4791 from each leased port standing in for the
     QPs' RoCEv2 packets."""
-    from ark.testbed import kernel
 
-    mod = load_script()
-    src, dst, per = mod.plan(bed, kernel, 2)
+    from ark.testbed import roce as mod
+
+    src, dst, per = mod.plan(bed, 2)
     lay = bed.layout
     leased = {p: k for k, ps in per.items() for p in ps}
     assert sorted(per) == [0, 1] and all(len(v) == 2 for v in per.values())
-    cap = mod.Capture(netns, [lay.spine_ns(k) for k in range(2)], lay.host_ip(src), lay.host_ip(dst))
+    spines = [lay.spine_ns(k) for k in range(2)]
+    before = mod.spine_packets(spines)
+    cap = mod.Capture(spines, lay.host_ip(src), lay.host_ip(dst))
     try:
         with netns.inside(lay.host_ns(src)):
             socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in leased]
@@ -114,3 +119,4 @@ def test_capture_sees_each_leased_port_at_its_spine(bed) -> None:
     checks, stray = rocewire.judge(leased, seen)
     assert all(c.ok and c.packets == 3 for c in checks), checks
     assert stray == []
+    assert mod.counters_agree(seen, before, mod.spine_packets(spines)) == []

@@ -9,7 +9,6 @@ the wire is scripts/roce-wire-check.py's business (Soft-RoCE), not theirs.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,17 +22,6 @@ from ark.integrations.preload import PreloadError
 
 PEER, OTHER = "10.0.1.1", "10.0.2.1"
 PORTS = [49153, 50000, 60001]
-
-
-@pytest.fixture(scope="module")
-def built() -> tuple[Path, Path]:
-    """(the interposer, the stand-in folder); skipped in one line without a compiler or verbs.h."""
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler (cc/gcc): the verbs interposer cannot be built")
-    try:
-        return verbs.library(), verbs_standin.build()
-    except (verbs.VerbsError, PreloadError) as e:
-        pytest.skip(f"verbs interposer not built: {e}")
 
 
 def engine(built: tuple[Path, Path], *args: str, preload: bool = True, **env: str) -> list[dict]:
@@ -246,14 +234,40 @@ def test_bench_verbs_per_qp_overhead_is_under_the_target(built, capsys) -> None:
     assert rec["target_us"] == 10 and all(v < 10 for v in rec["overhead_us"].values()), rec["overhead_us"]
 
 
-def test_module_runs_a_command_preloaded_or_for_nccl(built) -> None:
+def test_ark_preload_verbs_runs_a_command_preloaded_or_for_nccl(built) -> None:
     lib, _ = built
-    run_cmd = lambda *a: subprocess.run([sys.executable, "-m", "ark.integrations.verbs", *a], capture_output=True,  # noqa: E731
+    run_cmd = lambda *a: subprocess.run([sys.executable, "-m", "ark", "preload", *a], capture_output=True,  # noqa: E731
                                         text=True, timeout=60, check=False)
-    assert run_cmd().stdout.strip() == str(lib)
-    p = run_cmd("--", "sh", "-c", 'echo "$LD_PRELOAD"')
+    assert run_cmd("--verbs").stdout.strip() == str(lib)
+    p = run_cmd("--verbs", "--", "sh", "-c", 'echo "$LD_PRELOAD"')
     assert p.returncode == 0 and p.stdout.split()[0] == str(lib)
-    p = run_cmd("--nccl", "--", "sh", "-c", 'echo "$NCCL_IBVERBS_LIB"')
+    p = run_cmd("--verbs", "--nccl", "--", "sh", "-c", 'echo "$NCCL_IBVERBS_LIB"')
     assert p.returncode == 0 and p.stdout.strip() == str(lib)
-    p = run_cmd("sh")
-    assert p.returncode == 2 and p.stderr.strip().startswith("usage: python -m ark.integrations.verbs")
+    p = run_cmd("--nccl")
+    assert p.returncode == 2 and "--nccl: only with --verbs" in p.stderr
+
+
+def test_nested_rules_and_a_rule_closed_while_another_thread_is_inside_it(built) -> None:
+    out = run(built, """
+        outer, inner = QpRule(PEER), QpRule(PEER)
+        outer.add_ports([PORTS[0]])
+        inner.add_ports([PORTS[2]])
+        with outer:
+            with inner:
+                eng.connect(PEER, 1)
+            eng.connect(PEER, 1)   # the outer rule again
+        eng.connect(PEER, 1)       # none
+        entered, closed = threading.Event(), threading.Event()
+        doomed = QpRule(PEER)
+        doomed.add_ports([PORTS[1]])
+        def inside():
+            with doomed:
+                entered.set()
+                closed.wait()
+                eng.connect(PEER, 1)   # its rule was freed meanwhile: never touched, plain
+        t = threading.Thread(target=inside)
+        t.start(); entered.wait(); doomed.close(); closed.set(); t.join()
+        print(json.dumps([r.flow_label for r in eng.rtrs()]))
+    """)
+    fl = [flow_label_for_sport(p) for p in PORTS]
+    assert out == [fl[2], fl[0], 0, 0]

@@ -20,6 +20,7 @@ not be renewed). All are :class:`ArkClientError`.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -31,6 +32,8 @@ import msgpack
 import zmq
 
 from ark.core.node import Lease
+
+log = logging.getLogger("ark.client")
 
 
 class ArkClientError(RuntimeError):
@@ -261,6 +264,7 @@ class ArkClient:
     def lease(
         self, dst: str | int, nbytes: int, dport: int = 4791, renew: bool = True,
         on_lost: Callable[[HeldLease], None] | None = None, parts: int | None = None, connections: int = 0,
+        on_renew: Callable[[HeldLease], None] | None = None,
     ) -> Iterator[HeldLease]:
         """Reserve, renew in the background while the body runs, release at exit.
 
@@ -269,8 +273,10 @@ class ArkClient:
         connections the body will open; ``held.ports`` then lists, per part, that part's
         ports for its share of them (see :meth:`reserve_ports`). A lease that cannot
         be renewed is reported while the body runs (``held.lost``, ``on_lost``,
-        ``held.check()``). At exit the body's own exception always wins: a failure to
-        release is then only attached to it as a note.
+        ``held.check()``). ``on_renew(held)`` is called from the renewing thread after each
+        renewal (a part the agent re-pathed shows in ``held``'s fields); an exception it
+        raises is logged, and renewals go on. At exit the body's own exception always wins:
+        a failure to release is then only attached to it as a note.
         """
         got = self.reserve_ports(dst, nbytes, dport=dport, parts=parts, connections=connections)
         held = HeldLease(got[0][0]) if parts is None else HeldSplit([le for le, _ in got])
@@ -278,7 +284,7 @@ class ArkClient:
         stop = threading.Event()
         renewer = None
         if renew:
-            renewer = threading.Thread(target=self._renew_loop, args=(held, stop, on_lost), daemon=True)
+            renewer = threading.Thread(target=self._renew_loop, args=(held, stop, on_lost, on_renew), daemon=True)
             renewer.start()
         try:
             yield held
@@ -298,7 +304,8 @@ class ArkClient:
         if not held.lost.is_set():
             held.release_with(self)
 
-    def _renew_loop(self, held: HeldLease, stop: threading.Event, on_lost: Callable[[HeldLease], None] | None) -> None:
+    def _renew_loop(self, held: HeldLease, stop: threading.Event, on_lost: Callable[[HeldLease], None] | None,
+                    on_renew: Callable[[HeldLease], None] | None = None) -> None:
         # A separate connection: REQ sockets are not shared between threads. Renew when a
         # third of the lease has passed; retry quickly on a slow or missing agent, until
         # the lease would have run out.
@@ -309,6 +316,8 @@ class ArkClient:
                 try:
                     held.renew_with(mine)
                     wait = max(0.05, (held.expires - time.time()) / 3)
+                    if on_renew is not None:
+                        self._renewed(held, on_renew)
                 except (AgentTimeout, AgentUnavailable) as e:
                     if time.time() < held.expires:
                         wait = 0.05
@@ -320,6 +329,13 @@ class ArkClient:
                     return
         finally:
             mine.close()
+
+    @staticmethod
+    def _renewed(held: HeldLease, on_renew: Callable[[HeldLease], None]) -> None:
+        try:
+            on_renew(held)
+        except Exception:  # the caller's hook must not stop the renewals
+            log.exception("on_renew of lease %s failed", held.flow_ids())
 
     @staticmethod
     def _lost(held: HeldLease, error: BaseException, on_lost: Callable[[HeldLease], None] | None) -> None:

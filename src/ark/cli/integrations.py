@@ -12,19 +12,36 @@ from ark.cli.common import out
 
 
 @click.command("preload", context_settings={"ignore_unknown_options": True})
+@click.option("--verbs", is_flag=True, help="The verbs interposer (RoCE QPs: ibv_modify_qp) instead of connect()'s.")
+@click.option("--nccl", is_flag=True, help="With --verbs: name it in NCCL_IBVERBS_LIB (NCCL loads verbs through it) "
+              "instead of LD_PRELOAD.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def preload(command: tuple[str, ...]) -> None:
-    """Print the interposer's path (building it on first use), or run COMMAND with it preloaded.
+def preload(verbs: bool, nccl: bool, command: tuple[str, ...]) -> None:
+    """Print an interposer's path (building it on first use), or run COMMAND with it preloaded.
 
     \b
     export LD_PRELOAD=$(ark preload)
     ark preload -- python serve.py
+    ark preload --verbs -- python serve.py          # RoCE QPs (Mooncake RDMA, UCX verbs)
+    ark preload --verbs --nccl -- torchrun train.py # NCCL: NCCL_IBVERBS_LIB
     """
-    from ark.integrations.preload import preload_env
+    if nccl and not verbs:
+        raise click.UsageError("--nccl: only with --verbs (it names the verbs interposer for NCCL)")
+    if verbs:
+        from ark.integrations import verbs as v
 
-    env = preload_env()
+        try:
+            env = v.nccl_env() if nccl else v.preload_env()
+        except v.VerbsError as e:
+            raise click.ClickException(str(e)) from None
+        path = env[v.NCCL_ENV] if nccl else env["LD_PRELOAD"].split()[0]
+    else:
+        from ark.integrations.preload import preload_env
+
+        env = preload_env()
+        path = env["LD_PRELOAD"].split()[0]
     if not command:
-        out.print(env["LD_PRELOAD"].split()[0], highlight=False, soft_wrap=True)
+        out.print(path, highlight=False, soft_wrap=True)
         return
     sys.stdout.flush()
     try:

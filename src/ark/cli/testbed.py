@@ -1,4 +1,4 @@
-"""``ark testbed ...``: the namespace fabric (up, down, status, link, probe, run)."""
+"""``ark testbed ...``: the namespace fabric (up, down, status, link, probe, run, roce-check)."""
 
 from __future__ import annotations
 
@@ -120,6 +120,39 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
     else:
         out.print(f"{res['probes_sent']} probes, {res['probe_wall_s']} s wall ({res['probe_host_s']} s summed over hosts); "
                   f"{res['probed_ports']} mapped ports agree with the kernel: {res['probe_agreement_fraction']:.4%}")
+
+
+@testbed.command("roce-check")
+@click.option("--per-spine", type=click.IntRange(1, 64), default=2, show_default=True, help="Leased ports (QPs) per spine.")
+@click.option("--iters", type=click.IntRange(1, 10**6), default=200, show_default=True, help="RDMA writes per QP.")
+@click.option("--size", type=click.IntRange(1, 1 << 30), default=4096, show_default=True, help="Bytes per write.")
+@click.option("--prefix", default="ark", show_default=True)
+@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--json", "as_json", is_flag=True)
+def tb_roce_check(per_spine: int, iters: int, size: int, prefix: str, state_dir: str | None, as_json: bool) -> None:
+    """RoCEv2 on the wire: Soft-RoCE writes under the verbs interposer, each QP's port and
+    spine checked at the spines (2-tier testbed, Linux >= 5.17 with rdma_rxe; otherwise it
+    says why in one line and exits 0)."""
+    from ark.integrations import rocewire
+
+    why = rocewire.why_not()
+    if why:
+        click.echo(f"roce-wire-check: skipped: {why}")
+        return
+    from ark.integrations.verbs import VerbsError
+    from ark.testbed.roce import WireCheck, WireCheckError, report_lines, run
+
+    try:
+        result = run(_state(prefix, state_dir), WireCheck(per_spine, iters, size))
+    except (WireCheckError, VerbsError) as e:
+        raise click.ClickException(f"roce-check: {e}") from None
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        for line in report_lines(result):
+            click.echo(line)
+    if not result["pass"]:
+        raise SystemExit(1)
 
 
 @testbed.command("run")

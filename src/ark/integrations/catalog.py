@@ -23,6 +23,17 @@ class EngineKnob:
     ark_today: str  # what ARK can do with it now
     per_transfer_needs: str  # what the engine would need for per-transfer steering
     verified: str = ""  # how far ark_today was checked: real wire, stand-in, or only the engine's source
+    conditions: str = ""  # the kernel and driver ark_today needs (RoCEv2 routes)
+
+
+# Where the verbs interposer's flow label becomes the packet's UDP source port (read in the
+# kernel's sources; docs/engines/roce.md): and where a live QP can be moved.
+ROCE_CONDITIONS = (
+    "the flow label sets the port on mlx5 (ConnectX) since Linux 5.8, on rxe (Soft-RoCE), irdma (E810) and hns "
+    "since the rdma_get_udp_sport() patches (5.17); other drivers not checked; the NIC's firmware decides what "
+    "goes on the wire (ark testbed roce-check settles it for a machine). Live re-path: mlx5 with "
+    "rts2rts_qp_udp_sport, rdma-core 33+"
+)
 
 
 ENGINES: tuple[EngineKnob, ...] = (
@@ -51,6 +62,7 @@ ENGINES: tuple[EngineKnob, ...] = (
         "transfer_sync_write / batch_transfer_sync_write, or a per-endpoint list",
         "stand-in libibverbs (linked calls, process rules); Mooncake's RTR and threads read in its source; "
         "no real wire yet",
+        ROCE_CONDITIONS,
     ),
     EngineKnob(
         "NCCL (net_ib)", "RDMA (RoCEv2)",
@@ -62,6 +74,7 @@ ENGINES: tuple[EngineKnob, ...] = (
         "builds with NCCL_BUILD_RDMA_CORE (linked verbs)",
         "a flow label or source port per QP from the caller (per transfer, not per communicator)",
         "stand-in libibverbs loaded through dlopen + dlvsym with NCCL's symbol list; no real wire yet",
+        ROCE_CONDITIONS,
     ),
     EngineKnob(
         "UCX (and NIXL over UCX)", "RDMA (RoCEv2)",
@@ -73,6 +86,7 @@ ENGINES: tuple[EngineKnob, ...] = (
         "per operation: not reached",
         "a flow label or source port per endpoint / QP from the caller (NIXL has no such setting)",
         "UCX's connect paths read in its source; nothing run",
+        ROCE_CONDITIONS,
     ),
     EngineKnob(
         "UCX (and NIXL over UCX)", "TCP",
@@ -113,7 +127,8 @@ ENGINES: tuple[EngineKnob, ...] = (
         "the verbs interposer (LD_PRELOAD): a rule entered by the connecting thread, installed for the "
         "process, or given in ARK_VERBS_RULES",
         "nothing more",
-        "stand-in libibverbs; scripts/roce-wire-check.py runs ibv_rc_pingpong over Soft-RoCE on the "
-        "testbed (needs rdma_rxe: not run on the machine this was written on)",
+        "stand-in libibverbs; ark testbed roce-check runs ib_write_bw over Soft-RoCE on the testbed "
+        "(needs rdma_rxe: not run on the machine this was written on)",
+        ROCE_CONDITIONS,
     ),
 )

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -202,9 +203,13 @@ class RuleStats:
     ports: int
 
 
+_entered = threading.local()  # per thread and library: the rules entered, innermost last
+
+
 class NativeRule:
     """A rule object of an interposer library (``_lib``: its ``enter``, ``leave`` and
-    ``free``; ``_handle``: the C object): entered by ``with``, freed once."""
+    ``free``; ``_handle``: the C object): entered by ``with`` (nested: the inner rule holds
+    until its block ends, then the outer one again), freed once."""
 
     _lib: Any
     _handle: int | None = None
@@ -214,12 +219,26 @@ class NativeRule:
             raise ValueError("rule: already closed")
         return self._handle
 
+    def _stack(self) -> list[NativeRule]:
+        stacks: dict[int, list[NativeRule]] = _entered.__dict__.setdefault("stacks", {})
+        return stacks.setdefault(id(self._lib), [])
+
     def __enter__(self) -> Self:
         self._lib.enter(self._live())
+        self._stack().append(self)
         return self
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
-        self._lib.leave()
+        stack = self._stack()
+        if self in stack:
+            stack.reverse()
+            stack.remove(self)  # the innermost entry of this rule
+            stack.reverse()
+        outer = next((r for r in reversed(stack) if r._handle is not None), None)
+        if outer is not None:
+            self._lib.enter(outer._handle)
+        else:
+            self._lib.leave()
 
     def close(self) -> None:
         """Free the C object (the verbs interposer waits for an RTR in flight with it)."""

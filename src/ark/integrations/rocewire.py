@@ -1,4 +1,4 @@
-"""The pieces of the RoCEv2 wire check (``scripts/roce-wire-check.py``) that need no testbed.
+"""The pieces of the RoCEv2 wire check (``ark testbed roce-check``) that need no testbed.
 
 The check runs RDMA writes between two hosts of the namespace testbed over Soft-RoCE
 (``rdma_rxe``), the writer under the verbs interposer with a rule whose ports are spread
@@ -6,7 +6,7 @@ over the spines, and reads each RoCEv2 packet's UDP source port at every spine. 
 helpers say whether the machine can (:func:`why_not`), find the RoCEv2 GID of an address
 (:func:`roce_gid_index`), pick ports per spine (:func:`ports_per_spine`), parse captured
 frames (:func:`parse_roce`) and judge what was seen (:func:`judge`). The testbed glue lives
-in the script (integrations import no testbed).
+in :mod:`ark.testbed.roce` (integrations import no testbed).
 """
 
 from __future__ import annotations

@@ -218,9 +218,9 @@ void ark_verbs_uninstall(struct ark_vrule *r) {
 
 /* Append ports (0xC000..0xFFFF: what a flow label reaches) with their lanes (NULL: lane
  * 0); returns how many the rule took (ports outside the range are not). */
-int ark_verbs_add_lanes(struct ark_vrule *r, const uint16_t *ports, const uint8_t *lanes, int n) {
+/* Lock held: r->mu. */
+static int add_locked(struct ark_vrule *r, const uint16_t *ports, const uint8_t *lanes, int n) {
     int added = 0;
-    pthread_mutex_lock(&r->mu);
     for (int i = 0; i < n && r->n < ARK_MAX_PORTS; i++) {
         if (ports[i] < ARK_SPORT_MIN) continue;
         uint8_t lane = lanes ? lanes[i] : 0;
@@ -229,18 +229,26 @@ int ark_verbs_add_lanes(struct ark_vrule *r, const uint16_t *ports, const uint8_
         if (lane + 1 > r->nlanes) r->nlanes = lane + 1;
         added++;
     }
+    return added;
+}
+
+int ark_verbs_add_lanes(struct ark_vrule *r, const uint16_t *ports, const uint8_t *lanes, int n) {
+    pthread_mutex_lock(&r->mu);
+    int added = add_locked(r, ports, lanes, n);
     pthread_mutex_unlock(&r->mu);
     return added;
 }
 
-/* Replace the ports (a re-pathed lease): QPs connected later use the new ones. */
+/* Replace the ports (a re-pathed lease): QPs connected later use the new ones. One lock
+ * for both steps: an RTR on another thread sees the old ports or the new, never none. */
 int ark_verbs_set_lanes(struct ark_vrule *r, const uint16_t *ports, const uint8_t *lanes, int n) {
     pthread_mutex_lock(&r->mu);
     r->n = r->next = r->turn = 0;
     r->nlanes = 1;
     memset(r->lane_next, 0, sizeof(r->lane_next));
+    int added = add_locked(r, ports, lanes, n);
     pthread_mutex_unlock(&r->mu);
-    return ark_verbs_add_lanes(r, ports, lanes, n);
+    return added;
 }
 
 /* Also append every QP this rule logs to path, one JSON line each; 0 or -1 (errno). */
@@ -373,11 +381,20 @@ static int is_rtr_with_grh(const struct ibv_qp *qp, const struct ibv_qp_attr *at
            attr->ah_attr.is_global && (qp->qp_type == IBV_QPT_RC || qp->qp_type == IBV_QPT_UC);
 }
 
+/* Lock held: rules_mu. Is r a rule not freed yet? (A thread's rule may have been freed by
+ * another thread while this one was still inside it: never touch it then.) */
+static int live_locked(const struct ark_vrule *r) {
+    for (const struct ark_vrule *p = all_rules; p; p = p->next_rule)
+        if (p == r) return 1;
+    return 0;
+}
+
 /* The rule for an RTR towards gid: the thread's, else an installed one; held (users) so
  * that ark_verbs_free waits for the RTR to finish with it. NULL: none. */
 static struct ark_vrule *hold_rule(struct ark_vrule *mine, const uint8_t *gid) {
     struct ark_vrule *found = NULL;
     pthread_mutex_lock(&rules_mu);
+    if (mine && !live_locked(mine)) mine = current_rule = NULL;
     if (mine && memcmp(mine->gid, gid, 16) == 0) found = mine;
     int n = atomic_load(&n_installed);
     for (int i = 0; i < n && !found; i++)
@@ -408,6 +425,8 @@ int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int attr_mask) {
 /* Forget a QP the engine destroys, so that a later re-path never touches freed memory. */
 int ibv_destroy_qp(struct ibv_qp *qp) {
     pthread_once(&once, resolve_real);
+    /* The entry is cleared before the real destroy (a re-path holding rules_mu must never
+     * use a QP being freed); a destroy that then fails leaves that QP unknown to re-paths. */
     pthread_mutex_lock(&rules_mu);
     for (struct ark_vrule *r = all_rules; r; r = r->next_rule) {
         pthread_mutex_lock(&r->mu);

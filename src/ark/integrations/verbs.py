@@ -31,13 +31,14 @@ import contextlib
 import ctypes
 import ipaddress
 import os
-import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from ark.agent.client import ArkClient, HeldLease, HeldSplit
 from ark.core.node import Lease
 from ark.core.roce import ROCE_SPORT_MAX, ROCE_SPORT_MIN
 from ark.integrations import preload
@@ -348,29 +349,100 @@ class QpRule(NativeRule):
 
 
 
-def main(argv: Sequence[str]) -> int:
-    """``python -m ark.integrations.verbs``: print the interposer's path (building it);
-    ``-- CMD``: run CMD with it preloaded; ``--nccl -- CMD``: with ``NCCL_IBVERBS_LIB`` naming it."""
-    args = list(argv)
-    nccl = bool(args) and args[0] == "--nccl"
-    args = args[1:] if nccl else args
-    if not args:
-        print(library())
-        return 0
-    if args[0] != "--" or len(args) < 2:
-        print("usage: python -m ark.integrations.verbs [--nccl] [-- CMD ...]", file=sys.stderr)
-        return 2
-    env = nccl_env() if nccl else preload_env()
-    try:
-        os.execvpe(args[1], args[1:], env)
-    except OSError as e:
-        print(f"{args[1]}: {e.strerror}", file=sys.stderr)
-        return 127
+@dataclass
+class QpLease:
+    """A lease whose reserved parts steer this process's QPs towards ``peer`` (see
+    :func:`lease_qps`). ``moved``: live QPs re-pathed after the agent moved their part;
+    ``kept``: live QPs that stay on their old path, and why (no mlx5dv, no capability,
+    the part holds no path any more)."""
+
+    held: HeldLease
+    rule: QpRule
+    moved: list[Repath] = field(default_factory=list)
+    kept: list[Repath] = field(default_factory=list)
+    _now: list[tuple[bool, int]] = field(default_factory=list)  # per part: (reserved, path) as the rule has it
+    _mu: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def parts(self) -> list[Lease]:
+        return list(self.held.parts) if isinstance(self.held, HeldSplit) else [self.held.current]
+
+    def qps(self) -> list[QpRecord]:
+        return self.rule.qps()
+
+    def lanes(self) -> Laned:
+        """Part k's ports in lane k: its ports for the expected QPs (``held.ports``), or its
+        source port once the agent re-pathed it; parts holding no path give none."""
+        ports: list[int] = []
+        lanes: list[int] = []
+        for k, le in enumerate(self.parts):
+            if not le.reserved:
+                continue
+            given = self.held.ports[k] if k < len(self.held.ports) else []
+            own = given if self._now[k] == (True, le.path) and given else [le.src_port]
+            ports += own
+            lanes += [k] * len(own)
+        bad = [p for p in ports if not ROCE_SPORT_MIN <= p <= ROCE_SPORT_MAX]
+        if bad:
+            raise VerbsError(f"lease ports: {bad[:4]} outside {ROCE_SPORT_MIN}-{ROCE_SPORT_MAX}, which no flow label "
+                             "reaches; give the cluster a port_range inside it")
+        return Laned(ports, lanes)
+
+    def follow(self, held: HeldLease) -> None:
+        """After a renewal: a part the agent moved to another path gives later QPs its new
+        port, and its live QPs are moved there when mlx5dv can; otherwise they keep their
+        path, listed in ``kept`` with why."""
+        with self._mu:
+            if self.rule._handle is None:  # the block has ended
+                return
+            parts = self.parts
+            changed = {k for k, le in enumerate(parts) if (le.reserved, le.path) != self._now[k]}
+            if not changed:
+                return
+            laned = self.lanes()
+            self.rule.set_ports(laned.ports, laned.lanes)
+            self._now = [(le.reserved, le.path) for le in parts]
+            for q in self.rule.qps():
+                k = 0 if q.lane is None else q.lane
+                if not (q.alive and q.steered and k in changed):
+                    continue
+                le = parts[k]
+                r = (self.rule.repath(q.qp_num, le.src_port) if le.reserved else
+                     Repath(q.qp_num, q.port, False, f"part {k}: holds no path now ({le.fallback or 'unreserved'})"))
+                (self.moved if r.moved else self.kept).append(r)
 
 
-if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except VerbsError as e:
-        print(f"ark verbs: {e}", file=sys.stderr)
-        sys.exit(1)
+@contextlib.contextmanager
+def lease_qps(client: ArkClient, dst: str | int, peer: str, nbytes: int, *, parts: int | None = None, qps: int = 0,
+              dport: int = 4791, install: bool = True, log_path: str | None = None) -> Iterator[QpLease]:
+    """A lease towards ``dst`` (its RoCE address ``peer``) whose reserved parts steer the QPs
+    this process connects to ``peer`` while the block runs: QP i takes part i mod parts
+    (``parts``: a multi-path lease; None: one path), each on a port of its part's path
+    (``qps``: the QPs expected, so that each gets its own port). ``install``: every thread's
+    QPs (engines connect on their own threads); False: only this thread's. The lease is
+    renewed in the background and followed when the agent re-paths a part
+    (:meth:`QpLease.follow`); at exit the rule is removed and the lease released.
+
+    Only QPs that connect inside the block are steered; a QP connected earlier and kept by
+    the engine stays where it is unless a re-path moves it (mlx5)."""
+    box: list[QpLease] = []
+
+    def on_renew(held: HeldLease) -> None:
+        if box:
+            box[0].follow(held)
+
+    with client.lease(dst, nbytes, dport=dport, parts=parts, connections=qps, on_renew=on_renew) as held:
+        rule = QpRule(peer, log_path=log_path)
+        ql = QpLease(held, rule)
+        try:
+            ql._now = [(le.reserved, le.path) for le in ql.parts]
+            laned = ql.lanes()
+            if laned.ports:
+                rule.add_ports(laned.ports, laned.lanes)
+            box.append(ql)
+            with rule.installed() if install else rule:
+                yield ql
+        finally:
+            box.clear()
+            with ql._mu:  # a renewal following a re-path finishes first
+                rule.close()

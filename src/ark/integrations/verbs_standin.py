@@ -14,7 +14,7 @@ without RDMA devices.
 A process using them must start with the folder in ``LD_LIBRARY_PATH`` (:func:`env`): the
 stand-in then takes libibverbs.so.1's place for the engine and for the interposer's own
 dependency alike. What a real NIC puts on the wire is checked by
-``scripts/roce-wire-check.py`` on a machine with Soft-RoCE, not here.
+``ark testbed roce-check`` on a machine with Soft-RoCE, not here.
 """
 
 from __future__ import annotations
