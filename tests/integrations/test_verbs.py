@@ -247,6 +247,20 @@ def test_ark_preload_verbs_runs_a_command_preloaded_or_for_nccl(built) -> None:
     assert p.returncode == 2 and "--nccl: only with --verbs" in p.stderr
 
 
+def test_a_binary_linked_before_ibverbs_1_1_calls_the_compatibility_symbol_and_is_not_reached(built) -> None:
+    """The stand-in exports ibv_modify_qp at IBVERBS_1.0 and IBVERBS_1.1 as rdma-core does; the
+    interposer defines only IBVERBS_1.1, so an old binary's QPs go out unsteered."""
+    out = run(built, """
+        rule = QpRule(PEER)
+        rule.add_ports(PORTS)
+        with rule:
+            eng.connect(PEER, 1)       # today's binaries: IBVERBS_1.1
+            eng.connect_1_0(PEER, 1)   # linked before 2006: IBVERBS_1.0
+        print(json.dumps([[r.version, r.flow_label] for r in eng.rtrs()]))
+    """)
+    assert out == [["IBVERBS_1.1", flow_label_for_sport(PORTS[0])], ["IBVERBS_1.0", 0]]
+
+
 def test_nested_rules_and_a_rule_closed_while_another_thread_is_inside_it(built) -> None:
     out = run(built, """
         outer, inner = QpRule(PEER), QpRule(PEER)

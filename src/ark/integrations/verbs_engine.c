@@ -123,6 +123,16 @@ int eng_connect(const char *peer, int qp_type, int n, int global, uint32_t *qpns
     return connect_with(&linked, peer, qp_type, n, global, qpns, keep);
 }
 
+/* A binary linked against a libibverbs before IBVERBS_1.1 (2006): its reference binds to the
+ * compatibility symbol ibv_modify_qp@IBVERBS_1.0, which the interposer does not define. */
+int old_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask);
+__asm__(".symver old_modify_qp, ibv_modify_qp@IBVERBS_1.0");
+static const struct verbs linked_1_0 = {ibv_create_qp, old_modify_qp, ibv_destroy_qp};
+
+int eng_connect_1_0(const char *peer, int n, uint32_t *qpns) {
+    return connect_with(&linked_1_0, peer, IBV_QPT_RC, n, 1, qpns, 0);
+}
+
 /* Like NCCL: dlopen(lib), dlvsym every symbol NCCL needs at IBVERBS_1.1 (the names it
  * could not find, space-separated, in missing: then -1), and connect n RC QPs through them. */
 int eng_dlvsym_connect(const char *lib, const char *peer, int n, uint32_t *qpns, char *missing, int len) {

@@ -1,9 +1,10 @@
 /* A STAND-IN for libibverbs.so.1 (and for libmlx5.so.1's mlx5dv_modify_qp_udp_sport): NOT a
  * verbs implementation. It exists so that ARK's verbs interposer (verbs.c) can be tested and
  * timed on machines without RDMA devices: it exports the same versioned symbols (IBVERBS_1.1,
- * by the version script ark.integrations.verbs_standin writes) that engines link against or
+ * and ibv_modify_qp's compatibility version IBVERBS_1.0, by the version script
+ * ark.integrations.verbs_standin writes after rdma-core's) that engines link against or
  * dlvsym, and its QP calls only record what they were given. Nothing reaches a kernel or a
- * wire; what a real NIC does with a flow label is checked by scripts/roce-wire-check.py.
+ * wire; what a real NIC does with a flow label is checked by ark testbed roce-check.
  *
  * One file, three parts, each compiled on its own:
  *   ARK_STANDIN_CORE   ibv_create_qp / ibv_modify_qp / ibv_destroy_qp that record, and the
@@ -29,7 +30,7 @@
 #ifdef ARK_STANDIN_CORE
 struct standin_rec {
     uint32_t qp_num, dest_qp_num, flow_label;
-    int mask, state, is_global, qp_type;
+    int mask, state, is_global, qp_type, version;
     uint8_t dgid[16];
 };
 
@@ -50,8 +51,9 @@ struct ibv_qp *ibv_create_qp(struct ibv_pd *pd, struct ibv_qp_init_attr *init) {
     return qp;
 }
 
-/* Records the call; like libibverbs, the QP's state follows a successful transition. */
-int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask) {
+/* Records the call (``version``: 11 for ibv_modify_qp@@IBVERBS_1.1, 10 for the compatibility
+ * symbol @IBVERBS_1.0); like libibverbs, the QP's state follows a successful transition. */
+static int record_modify(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask, int version) {
     pthread_mutex_lock(&mu);
     int rc = 0;
     if ((mask & IBV_QP_STATE) && attr->qp_state == IBV_QPS_RTR) {
@@ -67,12 +69,22 @@ int ibv_modify_qp(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask) {
         r->state = (mask & IBV_QP_STATE) ? (int)attr->qp_state : -1;
         r->is_global = attr->ah_attr.is_global;
         r->qp_type = qp->qp_type;
+        r->version = version;
         memcpy(r->dgid, attr->ah_attr.grh.dgid.raw, 16);
     }
     pthread_mutex_unlock(&mu);
     if (!rc && (mask & IBV_QP_STATE)) qp->state = attr->qp_state;
     return rc;
 }
+
+/* Both versions rdma-core's libibverbs exports (libibverbs.map.in): the default, and the
+ * compatibility symbol that binaries linked before IBVERBS_1.1 (2006) still call. */
+int sv_modify_qp_1_1(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask);
+int sv_modify_qp_1_0(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask);
+int sv_modify_qp_1_1(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask) { return record_modify(qp, attr, mask, 11); }
+int sv_modify_qp_1_0(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask) { return record_modify(qp, attr, mask, 10); }
+__asm__(".symver sv_modify_qp_1_1, ibv_modify_qp@@IBVERBS_1.1");
+__asm__(".symver sv_modify_qp_1_0, ibv_modify_qp@IBVERBS_1.0");
 
 int ibv_destroy_qp(struct ibv_qp *qp) {
     free(qp);
@@ -94,7 +106,8 @@ void standin_reset(void) {
 
 /* Copy up to max records as 11 integers each: qp_num, dest_qp_num, flow_label, mask,
  * state (-1: not in the mask), is_global, qp_type, then the dgid's last 4 bytes (an
- * IPv4-mapped GID's address) as one big-endian integer, the mapped flag, and 2 zeros. */
+ * IPv4-mapped GID's address) as one big-endian integer, the mapped flag, the symbol
+ * version called (11 or 10) and a zero. */
 int standin_records(int64_t *out, int max) {
     pthread_mutex_lock(&mu);
     int n = nrec < max ? nrec : max;
@@ -111,7 +124,8 @@ int standin_records(int64_t *out, int max) {
         o[6] = r->qp_type;
         o[7] = ((int64_t)r->dgid[12] << 24) | (r->dgid[13] << 16) | (r->dgid[14] << 8) | r->dgid[15];
         o[8] = memcmp(r->dgid, mapped, 12) == 0;
-        o[9] = o[10] = 0;
+        o[9] = r->version;
+        o[10] = 0;
     }
     pthread_mutex_unlock(&mu);
     return n;

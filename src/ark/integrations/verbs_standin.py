@@ -37,9 +37,14 @@ STANDIN_MLX5 = "libmlx5.so.1"
 ENGINE_LIB = "libarkengine.so"
 ENGINE_BIN = "verbs-engine"
 
-IBVERBS_MAP = b"""IBVERBS_1.1 {
-    global: ibv_*;
+# After rdma-core's libibverbs.map.in: ibv_modify_qp at IBVERBS_1.0 (compatibility) and at
+# IBVERBS_1.1 (the default, which engines link against and NCCL dlvsym()s).
+IBVERBS_MAP = b"""IBVERBS_1.0 {
+    global: ibv_modify_qp;
 };
+IBVERBS_1.1 {
+    global: ibv_*;
+} IBVERBS_1.0;
 STANDIN_1 {
     global: standin_*;
     local: *;
@@ -100,6 +105,7 @@ class Record:
     is_global: bool
     qp_type: int
     dst_ipv4: str | None  # the GID's address when it is IPv4-mapped
+    version: str = "IBVERBS_1.1"  # the ibv_modify_qp symbol version that was called
 
 
 class Engine:
@@ -119,6 +125,7 @@ class Engine:
         self.lib.eng_connect.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, u32p, ctypes.c_int]
         self.lib.eng_dlvsym_connect.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, u32p,
                                                 ctypes.c_char_p, ctypes.c_int]
+        self.lib.eng_connect_1_0.argtypes = [ctypes.c_char_p, ctypes.c_int, u32p]
         self.lib.eng_time_rtr.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
         self.standin.standin_records.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
 
@@ -130,6 +137,15 @@ class Engine:
         rc = self.lib.eng_connect(peer.encode(), qp_type, n, int(grh), qpns, 2 if at_rtr else int(keep))
         if rc != n:
             raise VerbsError(f"eng_connect: {rc} (-2: the caller's attributes were changed)")
+        return list(qpns)
+
+    def connect_1_0(self, peer: str, n: int = 1) -> list[int]:
+        """Connect ``n`` RC QPs through ``ibv_modify_qp@IBVERBS_1.0``, as a binary linked
+        before IBVERBS_1.1 does."""
+        qpns = (ctypes.c_uint32 * n)()
+        rc = self.lib.eng_connect_1_0(peer.encode(), n, qpns)
+        if rc != n:
+            raise VerbsError(f"eng_connect_1_0: {rc}")
         return list(qpns)
 
     def dlvsym_connect(self, lib: str, peer: str, n: int = 1) -> list[int]:
@@ -155,7 +171,7 @@ class Engine:
         for i in range(n):
             r = buf[11 * i: 11 * i + 11]
             ip = ".".join(str((r[7] >> s) & 0xFF) for s in (24, 16, 8, 0)) if r[8] else None
-            out.append(Record(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], ip))
+            out.append(Record(r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], ip, f"IBVERBS_1.{r[9] - 10}"))
         return out
 
     def rtrs(self) -> list[Record]:
