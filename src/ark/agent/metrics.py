@@ -23,6 +23,35 @@ from ark.agent.sockets import AgentError
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
+# Every metric an agent exports: (name, type, help, its value for an agent), the counters
+# read from the node's counters at scrape time. The reference (docs) lists this table.
+COUNTERS: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
+    ("ark_reservations", "reservations made by this host", lambda a: a.node.core.counters.reserved),
+    ("ark_requests", "path requests from local engines", lambda a: a.node.core.counters.requests),
+    ("ark_races_lost", "local flows re-pathed after a race", lambda a: a.node.core.counters.races_lost),
+    ("ark_fallbacks", "requests that found no free path", lambda a: a.node.core.counters.fallbacks),
+    ("ark_renewals", "lease renewals applied", lambda a: a.node.core.counters.renewals),
+    ("ark_expired", "reservations whose lease ran out", lambda a: a.node.core.counters.expired),
+    ("ark_invalid_messages", "malformed or unauthorised peer messages dropped",
+     lambda a: a.node.counters.invalid + a.node.core.counters.invalid),
+    ("ark_wrong_version_messages", "peer messages of another wire version dropped",
+     lambda a: a.node.counters.wrong_version),
+    ("ark_dropped_messages", "duplicate or stale peer messages dropped",
+     lambda a: a.node.counters.dropped + a.node.core.counters.duplicates + a.node.core.counters.stale),
+    ("ark_unsent_messages", "messages not sent: a peer's queue was full", lambda a: a.dropped_out),
+    ("ark_sequence_gaps", "gaps in a peer's sequence numbers", lambda a: a.node.counters.gaps),
+    ("ark_syncs_applied", "table resynchronisations applied", lambda a: a.node.counters.sync_applied),
+)
+RESERVED_LINKS = ("ark_reserved_links", "links this host's table holds")
+PROPAGATION = ("ark_reserve_propagation_seconds", "RESERVE ts to arrival here")
+# (name, Prometheus type, help): every metric, each labelled with the agent's host name.
+METRICS: tuple[tuple[str, str, str], ...] = (
+    *((name, "counter", doc) for name, doc, _ in COUNTERS),
+    (RESERVED_LINKS[0], "gauge", RESERVED_LINKS[1]),
+    (PROPAGATION[0], "histogram", PROPAGATION[1] + f" (buckets {', '.join(map(str, BUCKETS))} s)"),
+)
+
+
 class Collector:
     """A custom collector: read at scrape time (on the loop thread), nothing kept per message."""
 
@@ -33,32 +62,18 @@ class Collector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         node = self.agent.node
-        c, n = node.core.counters, node.counters
         host = self.agent.me.name
-        for name, value, doc in (
-            ("ark_reservations", c.reserved, "reservations made by this host"),
-            ("ark_requests", c.requests, "path requests from local engines"),
-            ("ark_races_lost", c.races_lost, "local flows re-pathed after a race"),
-            ("ark_fallbacks", c.fallbacks, "requests that found no free path"),
-            ("ark_renewals", c.renewals, "lease renewals applied"),
-            ("ark_expired", c.expired, "reservations whose lease ran out"),
-            ("ark_invalid_messages", n.invalid + c.invalid, "malformed or unauthorised peer messages dropped"),
-            ("ark_wrong_version_messages", n.wrong_version, "peer messages of another wire version dropped"),
-            ("ark_dropped_messages", n.dropped + c.duplicates + c.stale, "duplicate or stale peer messages dropped"),
-            ("ark_unsent_messages", self.agent.dropped_out, "messages not sent: a peer's queue was full"),
-            ("ark_sequence_gaps", n.gaps, "gaps in a peer's sequence numbers"),
-            ("ark_syncs_applied", n.sync_applied, "table resynchronisations applied"),
-        ):
+        for name, doc, value in COUNTERS:
             m = CounterMetricFamily(name, doc, labels=["host"])
-            m.add_metric([host], value)
+            m.add_metric([host], value(self.agent))
             yield m
-        g = GaugeMetricFamily("ark_reserved_links", "links this host's table holds", labels=["host"])
+        g = GaugeMetricFamily(*RESERVED_LINKS, labels=["host"])
         g.add_metric([host], len(node.core.link_holders()))
         yield g
         samples = list(node.propagation_s)
         buckets = [(str(b), sum(1 for s in samples if s <= b)) for b in BUCKETS]
         buckets.append(("+Inf", len(samples)))
-        h = HistogramMetricFamily("ark_reserve_propagation_seconds", "RESERVE ts to arrival here", labels=["host"])
+        h = HistogramMetricFamily(*PROPAGATION, labels=["host"])
         h.add_metric([host], buckets, sum_value=math.fsum(samples))
         yield h
 
