@@ -261,3 +261,25 @@ def test_a_follower_asks_for_the_table_again_when_its_ask_was_lost() -> None:
     for o in lead.on_arbiter(1, again[0].data, 0.81):
         follower.on_arbiter(0, o.data, 0.81)
     assert follower.synced and not follower._syncing
+
+
+def test_a_release_the_dead_leader_never_passed_on_is_told_to_the_new_leader() -> None:
+    """The primary acknowledges a Drop and dies before its follower hears it: without the
+    host telling the standby again, the path stays held there until the lease ends."""
+    held: list[w.Held] = []
+    net = _Wire(held=lambda now: list(held))
+    net.run_until(0.6)
+    net.to_arbiters(net.link.ask("a", 8, 10**11, 4791, 1, net.now))  # a 16 s lease
+    (grant,) = net.link.take_done()
+    flow = grant.answer.parts[0].flow  # type: ignore[union-attr]
+    assert flow in net.arbs[1].table.table()  # the follower has it
+    for o in net.link.drop([flow], net.now):  # answered by the primary, whose Changes never leave
+        for r in net.arbs[0].on_host(0, o.data, net.now):
+            net.link.on_arbiter(0, r.data, net.now)
+    assert net.arbs[0].table.get(flow).released is not None  # type: ignore[union-attr]
+    net.dead.add(0)
+    assert net.arbs[1].table.get(flow).released is None  # type: ignore[union-attr]
+    net.to_arbiters(net.link.ask("b", 9, 10**9, 4791, 1, net.now))  # finds no leader: the host goes down
+    net.run_until(net.now + 2.0)  # the standby leads; the host finds it and registers
+    assert net.arbs[1].leading and net.link.up
+    assert net.arbs[1].table.get(flow).released is not None  # type: ignore[union-attr]

@@ -20,12 +20,15 @@ Rules:
   below it: by then every lease the old epoch granted has ended);
 * an answer of a new leader (an epoch above the highest seen) makes the host hand in the
   leases it holds from earlier epochs (``Register``, from the ``held`` callback), so that
-  the new leader knows them; its answer says which the host still holds.
+  the new leader knows them; its answer says which the host still holds. It also tells the
+  new leader again of the releases of earlier epochs' flows made within ``forget_epoch_s``
+  (an old leader may have acknowledged one and died before its follower heard it).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -118,6 +121,10 @@ class ArbiterLink:
         self._next_probe = math.inf
         self._pings: set[int] = set()
         self._undropped: list[tuple[int, int]] = []  # releases no arbiter took (sent to the next leader)
+        # Releases a leader acknowledged: a leader that dies before its follower hears one
+        # leaves the new leader holding the path until the lease ends, so each is told again
+        # to the next leader while its lease could still run (bounded: the oldest go first).
+        self._released: deque[tuple[float, tuple[int, int]]] = deque(maxlen=MAX_PENDING)
 
     # ------------------------------------------------------------------ requests
     def ask(self, tag: Hashable, dst: int, nbytes: int, dport: int, parts: int, now: float) -> list[LinkOut]:
@@ -128,6 +135,7 @@ class ArbiterLink:
 
     def drop(self, flows: list[tuple[int, int]], now: float) -> list[LinkOut]:
         """Release at the arbiter; nobody waits for it (unanswered, the lease ends there)."""
+        self._released.extend((now, f) for f in flows)
         return self._chunks(None, flows, lambda chunk: w.Drop(self._next_rid(), self.epoch, chunk), now)
 
     def _chunks(self, tag: Hashable, flows: list[tuple[int, int]], make: Callable[[list[tuple[int, int]]], w.FromHost],
@@ -231,6 +239,10 @@ class ArbiterLink:
         """Hand the new leader the leases held from earlier epochs, and the releases no
         arbiter took."""
         undropped, self._undropped = self._undropped, []
+        while self._released and now - self._released[0][0] >= self.forget_epoch_s:  # every lease it had is over
+            self._released.popleft()
+        again = [f for _, f in self._released if f[1] >> 32 < self.epoch]
+        undropped = list(dict.fromkeys([*undropped, *again]))
         out = self._chunks_of(None, undropped, lambda chunk: w.Drop(self._next_rid(), self.epoch, chunk), now)
         held = [h for h in self._held(now) if h.flow[1] >> 32 < self.epoch]
         step = w.MAX_FLOWS_PER_MESSAGE
