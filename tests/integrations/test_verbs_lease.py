@@ -79,7 +79,7 @@ def test_a_re_pathed_part_gives_later_qps_its_new_port_and_says_which_live_qps_k
                 ctypes.CDLL(str(S / "libmlx5.so.1"))
             held.parts = [a, b]
             rule = QpRule(PEER)
-            ql = verbs.QpLease(held, rule, _now=[(True, 0), (True, 1)])
+            ql = verbs.QpLease(held, rule, _now=[(True, 0), (True, 1)], _given=[(True, 0), (True, 1)])
             laned = ql.lanes()
             rule.add_ports(laned.ports, laned.lanes)
             with rule:
@@ -108,3 +108,31 @@ def test_a_re_pathed_part_gives_later_qps_its_new_port_and_says_which_live_qps_k
             (q0, why0), *rest = r["kept"]
             assert q0 == lane1_live and why0.startswith("mlx5dv_modify_qp_udp_sport: not available")
             assert rest == [[lane1_live, lost], [lane1_later, lost]]  # part 0's QPs never in either list
+
+
+def test_ports_handed_for_a_path_are_not_used_once_the_part_has_left_it(built) -> None:
+    """Part 1 moves, then part 0: QPs connected after both take each part's new port, never
+    the ports the lease first handed for the paths the parts have left."""
+    out = run(built, """
+        from ark.agent.client import HeldSplit
+        from ark.core.node import Lease
+        from ark.core.roce import flow_label_for_sport as fl
+        a = Lease((0, 1), 8, 0, 49153, fl(49153), 1e12, True, "")
+        b = Lease((0, 2), 8, 1, 50000, fl(50000), 1e12, True, "")
+        held = HeldSplit([a, b])
+        held.ports = [[49153, 49157], [50000, 50004]]
+        rule = QpRule(PEER)
+        ql = verbs.QpLease(held, rule, _now=[(True, 0), (True, 1)], _given=[(True, 0), (True, 1)])
+        laned = ql.lanes()
+        rule.add_ports(laned.ports, laned.lanes)
+        b2 = b._replace(path=2, src_port=60001, flow_label=fl(60001))
+        held.parts = [a, b2]
+        ql.follow(held)
+        held.parts = [a._replace(path=3, src_port=61000, flow_label=fl(61000)), b2]
+        ql.follow(held)
+        with rule:
+            eng.connect(PEER, 4)
+        print(json.dumps([[q.port, q.lane] for q in rule.qps()]))
+        rule.close()
+    """)
+    assert out == [[61000, 0], [60001, 1], [61000, 0], [60001, 1]]

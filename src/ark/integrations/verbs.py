@@ -361,6 +361,7 @@ class QpLease:
     moved: list[Repath] = field(default_factory=list)
     kept: list[Repath] = field(default_factory=list)
     _now: list[tuple[bool, int]] = field(default_factory=list)  # per part: (reserved, path) as the rule has it
+    _given: list[tuple[bool, int]] = field(default_factory=list)  # per part: what held.ports were handed for
     _mu: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -379,7 +380,8 @@ class QpLease:
             if not le.reserved:
                 continue
             given = self.held.ports[k] if k < len(self.held.ports) else []
-            own = given if self._now[k] == (True, le.path) and given else [le.src_port]
+            fresh = k < len(self._given) and self._given[k] == (True, le.path)
+            own = given if fresh and given else [le.src_port]
             ports += own
             lanes += [k] * len(own)
         bad = [p for p in ports if not ROCE_SPORT_MIN <= p <= ROCE_SPORT_MAX]
@@ -436,6 +438,7 @@ def lease_qps(client: ArkClient, dst: str | int, peer: str, nbytes: int, *, part
         ql = QpLease(held, rule)
         try:
             ql._now = [(le.reserved, le.path) for le in ql.parts]
+            ql._given = list(ql._now)
             laned = ql.lanes()
             if laned.ports:
                 rule.add_ports(laned.ports, laned.lanes)
