@@ -283,3 +283,23 @@ def test_a_release_the_dead_leader_never_passed_on_is_told_to_the_new_leader() -
     net.run_until(net.now + 2.0)  # the standby leads; the host finds it and registers
     assert net.arbs[1].leading and net.link.up
     assert net.arbs[1].table.get(flow).released is not None  # type: ignore[union-attr]
+
+
+def test_a_release_made_while_no_arbiter_answers_reaches_the_leader_found_next() -> None:
+    """The link is down (a partition); the same leader answers again afterwards, in the same
+    epoch: the release made meanwhile still reaches it."""
+    net = _Wire()
+    net.run_until(0.6)
+    net.to_arbiters(net.link.ask("a", 8, 10**11, 4791, 1, net.now))
+    (grant,) = net.link.take_done()
+    flow = grant.answer.parts[0].flow  # type: ignore[union-attr]
+    net.dead.update({0, 1})  # cut from both
+    net.to_arbiters(net.link.ask("b", 9, 10**9, 4791, 1, net.now))
+    net.run_until(net.now + 0.12)
+    assert not net.link.up
+    net.to_arbiters(net.link.drop([flow], net.now))  # down: nothing goes out now
+    assert net.arbs[0].table.get(flow).released is None  # type: ignore[union-attr]
+    net.dead.clear()  # healed before any takeover: the same leader, the same epoch
+    net.run_until(net.now + 0.3)
+    assert net.link.up and net.link.epoch == net.arbs[0].epoch
+    assert net.arbs[0].table.get(flow).released is not None  # type: ignore[union-attr]

@@ -158,6 +158,8 @@ class ArbiterLink:
     def _request(self, tag: Hashable, msg: w.FromHost, now: float) -> list[LinkOut]:
         if not self.up or len(self._pending) >= MAX_PENDING:
             self._finish(tag, None, now)
+            if isinstance(msg, w.Drop) and len(self._undropped) < MAX_PENDING:
+                self._undropped.extend(msg.flows)  # sent to the leader found next (its epoch may be this one)
             return []
         p = self._pending[msg.rid] = _Pending(tag, msg, self.leader, now, now)
         return self._send(p, now)
