@@ -35,7 +35,7 @@ def test_every_module_the_docs_name_exists() -> None:
     """README and the docs name modules like ``ark.core.protocol``: each imports."""
     named = set()
     for p in (ROOT / "README.md", *(ROOT / "docs").rglob("*.md")):
-        named |= set(re.findall(r"`(ark(?:\.[a-z_]+)+)`", p.read_text()))
+        named |= set(re.findall(r"`(ark(?:\.[A-Za-z_]+)+)`", p.read_text()))
     assert len(named) >= 20
     for name in sorted(named):  # a module, or a module's attribute (``ark.agent.client.ArkClient``)
         parts = name.split(".")
@@ -45,7 +45,10 @@ def test_every_module_the_docs_name_exists() -> None:
             except ModuleNotFoundError:
                 continue
             for attr in parts[i:]:
-                obj = getattr(obj, attr)  # AttributeError: the docs name something that is not there
+                try:
+                    obj = getattr(obj, attr)  # AttributeError: the docs name something that is not there
+                except ImportError:  # built on first access from an extra not installed here (vLLM)
+                    break
             break
         else:
             raise AssertionError(f"{name}: no such module")

@@ -70,6 +70,9 @@ def test_reserve_renew_release_over_real_sockets(trio) -> None:
         with pytest.raises(ArkClientError, match="op: must be one of"):
             c.call({"op": "explode"})
         assert "ark_reservations" in c.metrics()
+        from ark.agent.metrics import METRICS  # what the reference pages list is what is exported
+        text = c.metrics()
+        assert all(f"# TYPE {name} {kind}" in text for name, kind, _ in METRICS)
         ports = c.ports(dst)
         assert len(ports) == 4 and len(set(ports)) == 4
         # Fabric-change ops: the current lease follows the flow; maps reload in place.

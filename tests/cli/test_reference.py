@@ -31,6 +31,18 @@ def test_every_command_and_option_appears() -> None:
                 assert all(f"`{o}`" in text for o in p.opts), (name, p.opts)
 
 
+def test_each_option_is_in_its_own_command_s_section_with_its_default() -> None:
+    text = ref.cli_markdown()
+    for name, cmd in ref.commands():
+        section = text.split(f"## `{name}`\n", 1)[1].split("\n## `", 1)[0]
+        for p in cmd.params:
+            if isinstance(p, click.Option) and not p.hidden:
+                row = next((line for line in section.splitlines() if line.startswith(f"| `{p.opts[0]}`")), None)
+                assert row is not None, (name, p.opts)
+                if isinstance(p.default, int) and not isinstance(p.default, bool):
+                    assert f"| {p.default} |" in row, (name, p.opts, row)
+
+
 def _keys(cls: type[msgspec.Struct]) -> list[str]:
     info = msgspec.inspect.type_info(cls)
     assert isinstance(info, msgspec.inspect.StructType)

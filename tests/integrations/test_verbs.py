@@ -88,6 +88,22 @@ def test_a_bad_rules_variable_says_why_in_one_line_and_steers_nothing(built) -> 
     assert res.stderr.strip() == f"ark verbs: ARK_VERBS_RULES: {PEER}: ports must be 49152..65535[/LANE 0..255]"
 
 
+@pytest.mark.parametrize("rules, why", [
+    (f"{PEER}=49153/", f"{PEER}: ports must be 49152..65535[/LANE 0..255]"),  # a lane named by nothing
+    (f"{PEER}=", f"{PEER}: ports must be 49152..65535[/LANE 0..255]"),  # no port at all
+    (f"{PEER}=" + ",".join(["49153"] * 4097), f"{PEER}: at most 4096 ports per peer"),
+    (";".join(f"10.0.9.{i}=49153" for i in range(64)) + f";{PEER}=49153",
+     f"{PEER}: at most 64 rules; this one is not installed"),
+])
+def test_rules_the_variable_cannot_hold_are_refused_in_one_line(built, rules, why) -> None:
+    lib, folder = built
+    res = subprocess.run([str(folder / verbs_standin.ENGINE_BIN), "linked", PEER, "1"], capture_output=True, text=True,
+                         env={**verbs_standin.env(folder, preload_lib=lib), "ARK_VERBS_RULES": rules},
+                         timeout=60, check=False)
+    assert res.returncode == 0 and labels([json.loads(x) for x in res.stdout.splitlines()]) == [0]
+    assert res.stderr.strip() == f"ark verbs: ARK_VERBS_RULES: {why}"
+
+
 def test_dlvsym_of_libibverbs_is_not_intercepted_but_nccl_ibverbs_lib_is(built) -> None:
     lib, _ = built
     rules = f"{PEER}=49153"
@@ -285,3 +301,21 @@ def test_nested_rules_and_a_rule_closed_while_another_thread_is_inside_it(built)
     """)
     fl = [flow_label_for_sport(p) for p in PORTS]
     assert out == [fl[2], fl[0], 0, 0]
+
+
+def test_integers_ctypes_would_truncate_are_refused(built) -> None:
+    out = run(built, """
+        rule = QpRule(PEER)
+        errs = []
+        for call in (lambda: rule.repath(1, 2**32 + 60001), lambda: rule.repath(2**32 + 1, 60001),
+                     lambda: verbs.flow_label(2**32 + 49153)):
+            try:
+                call()
+                errs.append(None)
+            except ValueError as e:
+                errs.append(str(e))
+        print(json.dumps(errs))
+    """)
+    assert out == ["port: expected an integer 1..65535; got 4295027297",
+                   "qp_num: expected an integer 0..4294967295; got 4294967297",
+                   "port: expected an integer 0..65535; got 4295016449"]

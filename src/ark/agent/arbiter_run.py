@@ -58,15 +58,12 @@ class _ArbiterLoad:
         self.halfway = threading.Event()
         self.t_kill: float | None = None  # set by whoever kills the primary
         self.again_at: float | None = None  # the first lease reserved after the kill
-        self.kill = False
 
     def enough(self) -> bool:
-        """``flows`` cycles, and with a kill: a second of leases granted again after it
-        (or a minute without any)."""
+        """``flows`` cycles, and a second of leases granted again after the kill (or a
+        minute without any)."""
         if self.done < self.flows:
             return False
-        if not self.kill:
-            return True
         if self.t_kill is None:
             return False
         now = time.monotonic()
@@ -179,7 +176,7 @@ def _arbiter_exit(log: Path) -> dict[str, Any]:
 
 
 def run_arbiter_cluster(agents: int, flows: int, *, seed: int = 0, workers: int | None = None,
-                        lease_min_s: float = 1.0, takeover_s: float = 1.0, kill_primary: bool = True,
+                        lease_min_s: float = 1.0, takeover_s: float = 1.0,
                         workdir: str | None = None) -> dict[str, Any]:
     """Start two arbiters and ``agents`` agents under ``control = "arbiter"``; hold a
     lease per agent, drive ``flows`` any-to-any reserve+release cycles, SIGKILL the
@@ -210,12 +207,9 @@ def run_arbiter_cluster(agents: int, flows: int, *, seed: int = 0, workers: int 
         t0 = time.monotonic()
         for t in threads:
             t.start()
-        t_kill = None
-        load.kill = kill_primary
-        if kill_primary:
-            load.halfway.wait()
-            procs.kill("arb0")
-            t_kill = load.t_kill = time.monotonic()
+        load.halfway.wait()
+        procs.kill("arb0")
+        t_kill = load.t_kill = time.monotonic()
         for t in threads:
             t.join()
         report.update(_load_figures(load, time.monotonic() - t0, t_kill))
@@ -252,9 +246,8 @@ def _finish(procs: AgentProcs, cluster: Cluster, held: dict[str, Lease], stop: t
     period = cluster.lease()(HELD_BYTES, cluster.fabric.path_rate_bps(0, cluster.fabric.n_hosts - 1, 0))
     time.sleep(period + 0.5)  # the longest lease: whatever no release reached has ended by then
     local = sum(s["local_flows"] for s in procs.status(procs.names).values())
-    leader = next((n for n in ("arb1", "arb0") if n in procs.procs), None)
     procs.stop_all()
-    exit_rec = _arbiter_exit(procs.workdir / f"{leader}.log") if leader else {}
+    exit_rec = _arbiter_exit(procs.workdir / "arb1.log")  # the standby, leading since the kill
     return {"held_reserved_at_end": kept, "held_lapsed": lapsed, "held_lease_period_s": round(period, 3),
             "leaked_local": local, "leaked_at_arbiter": exit_rec.get("live"),
             "arbiter_counters": exit_rec.get("counters", {})}

@@ -60,7 +60,7 @@ def keep_epoch(state_dir: str | Path, name: str, epoch: int) -> int:
     path = Path(state_dir) / f"{name}.epoch"
     try:
         Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-        prev = _read(path)
+        prev = _read(path, "epoch")
         if epoch > prev:
             _store(path, epoch)
     except OSError as e:
@@ -83,14 +83,14 @@ def _store(path: Path, value: int) -> None:
         os.close(dfd)
 
 
-def _read(path: Path) -> int:
+def _read(path: Path, what: str = "incarnation") -> int:
     try:
         st = os.stat(path)
     except FileNotFoundError:
         return 0
     if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read, a directory fail it
         raise IncarnationError(f"state_dir: {path} is not a regular file; expected one holding the last "
-                               f"incarnation (0..{MAX_INCARNATION}); remove it once this host's clock is right")
+                               f"{what} (0..{MAX_INCARNATION}); remove it once this host's clock is right")
     with open(path, "rb") as f:
         raw = f.read(_MAX_FILE_BYTES + 1)  # what we write is at most 11 bytes: never read more
     # ASCII digits only: str.isdigit and int() also take other scripts' digits and

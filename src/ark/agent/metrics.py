@@ -23,8 +23,8 @@ from ark.agent.sockets import AgentError
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0)
 
 
-# Every metric an agent exports: (name, type, help, its value for an agent), the counters
-# read from the node's counters at scrape time. The reference (docs) lists this table.
+# The counters an agent exports: (name, help, its value for an agent), read from the node's
+# counters at scrape time. The reference (docs) lists this table.
 COUNTERS: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
     ("ark_reservations", "reservations made by this host", lambda a: a.node.core.counters.reserved),
     ("ark_requests", "path requests from local engines", lambda a: a.node.core.counters.requests),

@@ -54,10 +54,11 @@ def _option_row(p: click.Parameter) -> str:
     names = ", ".join(f"`{n}`" for n in (*p.opts, *p.secondary_opts))
     kind = "flag" if isinstance(p, click.Option) and p.is_flag else _cell(p.type.name if not isinstance(
         p.type, click.Choice) else " | ".join(map(str, p.type.choices)))
-    unset = p.default is None or callable(p.default) or p.default in ((), False) or repr(p.default).startswith(
-        "Sentinel.")
+    # 0 is a default to show; False (a flag off) and () (nothing repeated) are not.
+    unset = p.default is None or callable(p.default) or p.default is False or p.default == () or repr(
+        p.default).startswith("Sentinel.")
     default = "" if unset else p.default
-    helptext = p.help if isinstance(p, click.Option) and p.help else ""
+    helptext = p.help if isinstance(p, click.Option) and p.help else ""  # arguments have no help
     return f"| {names} | {kind} | {_cell(default)} | {_cell(helptext)} |"
 
 
@@ -205,7 +206,7 @@ def config_markdown() -> str:
         if file != last:
             lines += [f"## The {FILES[file]}", ""]
             last = file
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
         lines += [heading(file, table), "", doc, "", "| key | type | default | accepted |", "|---|---|---|---|"]
         lines += [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a in struct_fields(cls)]
         lines.append("")
@@ -243,5 +244,8 @@ def metrics_markdown() -> str:
 
 def page(path: str) -> str:
     """The generated page at ``path`` (a key of :data:`PAGES`)."""
-    fn: Any = globals()[PAGES[path]]
-    return str(fn())
+    return _MAKERS[PAGES[path]]()
+
+
+_MAKERS = {"cli_markdown": cli_markdown, "config_markdown": config_markdown, "api_markdown": api_markdown,
+           "metrics_markdown": metrics_markdown}

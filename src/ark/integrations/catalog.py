@@ -30,7 +30,8 @@ class EngineKnob:
 # kernel's sources; docs/engines/roce.md): and where a live QP can be moved.
 ROCE_CONDITIONS = (
     "the flow label sets the port on mlx5 (ConnectX) since Linux 5.8, on rxe (Soft-RoCE), irdma (E810) and hns "
-    "since the rdma_get_udp_sport() patches (5.17); other drivers not checked; the NIC's firmware decides what "
+    "since the rdma_get_udp_sport() patches (Linux 5.17 by the usual account, the merging release not checked); "
+    "other drivers not checked; the NIC's firmware decides what "
     "goes on the wire (ark testbed roce-check settles it for a machine). Live re-path: mlx5 with "
     "rts2rts_qp_udp_sport, rdma-core 33+"
 )

@@ -492,19 +492,25 @@ static int parse_peer(const char *s, uint8_t gid[16]) {
     return inet_pton(AF_INET6, s, gid) == 1 ? 0 : -1;
 }
 
-/* "PORT[/LANE],PORT[/LANE]..." into the rule; -1 on the first bad item. */
+/* "PORT[/LANE],PORT[/LANE]..." into the rule; -1 on the first bad item or none at all,
+ * -2 past ARK_MAX_PORTS. */
 static int parse_ports(struct ark_vrule *r, char *list) {
     char *save = NULL;
-    for (char *item = strtok_r(list, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+    int n = 0;
+    for (char *item = strtok_r(list, ",", &save); item; item = strtok_r(NULL, ",", &save), n++) {
         char *end = NULL;
         long port = strtol(item, &end, 10), lane = 0;
-        if (*end == '/') lane = strtol(end + 1, &end, 10);
+        if (*end == '/') {
+            char *digits = end + 1;
+            lane = strtol(digits, &end, 10);
+            if (end == digits) return -1; /* "PORT/" names no lane */
+        }
         if (*end || port < ARK_SPORT_MIN || port > 0xFFFF || lane < 0 || lane > 255) return -1;
         uint16_t p = (uint16_t)port;
         uint8_t l = (uint8_t)lane;
-        ark_verbs_add_lanes(r, &p, &l, 1);
+        if (ark_verbs_add_lanes(r, &p, &l, 1) != 1) return -2;
     }
-    return 0;
+    return n ? 0 : -1;
 }
 
 static void env_rule(char *spec, const char *log_path) {
@@ -521,14 +527,22 @@ static void env_rule(char *spec, const char *log_path) {
     }
     struct ark_vrule *r = ark_verbs_new(gid, 1);
     if (!r) return;
-    if (parse_ports(r, eq + 1) != 0) {
-        fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s: ports must be 49152..65535[/LANE 0..255]\n", spec);
+    int rc = parse_ports(r, eq + 1);
+    if (rc != 0) {
+        if (rc == -2)
+            fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s: at most %d ports per peer\n", spec, ARK_MAX_PORTS);
+        else
+            fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s: ports must be 49152..65535[/LANE 0..255]\n", spec);
         ark_verbs_free(r);
         return;
     }
     if (log_path && *log_path && ark_verbs_log_to(r, log_path) != 0)
         fprintf(stderr, "ark verbs: ARK_VERBS_LOG: cannot open %s\n", log_path);
-    ark_verbs_install(r);
+    if (ark_verbs_install(r) != 0) {
+        fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s: at most %d rules; this one is not installed\n", spec,
+                ARK_MAX_INSTALLED);
+        ark_verbs_free(r);
+    }
 }
 
 /* Process rules from the environment, for engines ARK's Python never runs inside:

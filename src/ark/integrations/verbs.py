@@ -46,7 +46,6 @@ from ark.integrations.preload import Laned, NativeRule, PreloadError
 
 VERSION = 1
 LIB_NAME = "libarkverbs"
-MAX_PORTS = 4096
 MAX_LOG = 4096
 RULES_ENV = "ARK_VERBS_RULES"
 LOG_ENV = "ARK_VERBS_LOG"
@@ -223,6 +222,8 @@ def can_repath() -> bool:
 
 def flow_label(port: int) -> int:
     """The flow label the interposer sets for ``port`` (0: outside 0xC000..0xFFFF)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not -(1 << 31) <= port < 1 << 31:
+        raise ValueError(f"port: expected an integer 0..65535; got {port!r}")  # ctypes would truncate it
     return int(require().flow_label(port))
 
 
@@ -344,6 +345,11 @@ class QpRule(NativeRule):
 
     def repath(self, qp_num: int, port: int) -> Repath:
         """Move a live QP this rule steered to ``port`` (mlx5, QP in RTS); else it keeps its path."""
+        # ctypes truncates out-of-range integers silently: 2**32 + 60001 would become 60001.
+        if isinstance(qp_num, bool) or not isinstance(qp_num, int) or not 0 <= qp_num <= 0xFFFFFFFF:
+            raise ValueError(f"qp_num: expected an integer 0..{0xFFFFFFFF}; got {qp_num!r}")
+        if isinstance(port, bool) or not isinstance(port, int) or not -(1 << 31) <= port < 1 << 31:
+            raise ValueError(f"port: expected an integer 1..65535; got {port!r}")
         rc = int(self._lib.repath(self._live(), qp_num, port))
         return Repath(qp_num, port, rc == 0, "" if rc == 0 else _repath_why(rc))
 

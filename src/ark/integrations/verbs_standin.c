@@ -12,7 +12,7 @@
  *   ARK_STANDIN_STUBS  the rest of what NCCL dlvsym()s from its verbs library, each failing
  *                      with ENOSYS (no verbs.h: their real prototypes do not matter here);
  *   ARK_STANDIN_MLX5   mlx5dv_modify_qp_udp_sport with rdma-core's preconditions (RC or UC
- *                      QP in RTS), recording the port.
+ *                      QP in RTS).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -160,31 +160,10 @@ STUB(ibv_event_type_str)
 #endif /* ARK_STANDIN_STUBS */
 
 #ifdef ARK_STANDIN_MLX5
-static int64_t sport_calls[STANDIN_MAX][3];
-static int nsport;
-static pthread_mutex_t smu = PTHREAD_MUTEX_INITIALIZER;
-
 /* rdma-core's checks (providers/mlx5/mlx5.c): RC or UC, in RTS; the capability is assumed. */
 int mlx5dv_modify_qp_udp_sport(struct ibv_qp *qp, uint16_t udp_sport) {
-    int rc = 0;
-    if ((qp->qp_type != IBV_QPT_RC && qp->qp_type != IBV_QPT_UC) || qp->state != IBV_QPS_RTS) rc = EOPNOTSUPP;
-    pthread_mutex_lock(&smu);
-    if (nsport < STANDIN_MAX) {
-        sport_calls[nsport][0] = qp->qp_num;
-        sport_calls[nsport][1] = udp_sport;
-        sport_calls[nsport][2] = rc;
-        nsport++;
-    }
-    pthread_mutex_unlock(&smu);
-    return rc;
-}
-
-/* Copy up to max calls as (qp_num, udp_sport, returned). */
-int standin_sport_calls(int64_t *out, int max) {
-    pthread_mutex_lock(&smu);
-    int n = nsport < max ? nsport : max;
-    memcpy(out, sport_calls, sizeof(sport_calls[0]) * (size_t)n);
-    pthread_mutex_unlock(&smu);
-    return n;
+    (void)udp_sport;
+    if ((qp->qp_type != IBV_QPT_RC && qp->qp_type != IBV_QPT_UC) || qp->state != IBV_QPS_RTS) return EOPNOTSUPP;
+    return 0;
 }
 #endif /* ARK_STANDIN_MLX5 */

@@ -39,12 +39,13 @@ from ark.core import arbiter_wire as w
 from ark.core.arbiter import SAME_LEAF, Arbiter, ArbiterLimits, LeaseFn
 from ark.core.flows import FlowSpec
 from ark.core.messages import FlowId
+from ark.core.node import MAX_SPLIT_PARTS
 from ark.core.pathmap import PathMap, PathMapError, PortBuckets
 from ark.core.topology import Fabric
 from ark.sim.transfer import Transfer
 
 CONTROLS = ("broadcast", "arbiter")
-MAX_ASK_PARTS = 16  # parts one Ask may carry (the wire format's bound)
+MAX_ASK_PARTS = MAX_SPLIT_PARTS  # parts one Ask may carry (the wire format's bound too)
 # The simulator measures placement, not admission: no host may be rate limited or capped.
 SIM_LIMITS = ArbiterLimits(max_flows_per_host=1 << 20, rate_per_host=1e9, burst_per_host=1 << 20)
 # A lone arbiter beats to no other arbiter: a beat would only wake the event loop.
