@@ -44,9 +44,10 @@ COUNTERS: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
 )
 RESERVED_LINKS = ("ark_reserved_links", "links this host's table holds")
 PROPAGATION = ("ark_reserve_propagation_seconds", "RESERVE ts to arrival here")
-# (name, Prometheus type, help): every metric, each labelled with the agent's host name.
+# (series name as exported, Prometheus type, help): every metric, each labelled with the
+# agent's host name. The text format adds ``_total`` to a counter's name.
 METRICS: tuple[tuple[str, str, str], ...] = (
-    *((name, "counter", doc) for name, doc, _ in COUNTERS),
+    *((f"{name}_total", "counter", doc) for name, doc, _ in COUNTERS),
     (RESERVED_LINKS[0], "gauge", RESERVED_LINKS[1]),
     (PROPAGATION[0], "histogram", PROPAGATION[1] + f" (buckets {', '.join(map(str, BUCKETS))} s)"),
 )
