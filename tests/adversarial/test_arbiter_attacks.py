@@ -17,8 +17,12 @@ from tests.agent.test_arbiter_process import _Host, _until
 def test_a_flooding_greedy_host_is_capped_and_an_honest_agent_still_reserves(tmp_path: Path) -> None:
     # 32 spines: more paths than its cap of 16 live reservations, so the cap is what stops it.
     # 200 requests/s per host: a flood of 3,000 outruns it however slowly this machine serves it.
+    # The honest agent waits up to 2 s for its answer, not the default 0.1 s: on two cores the
+    # flooder's encryption, the arbiter's decryption of 3,000 messages and the agent share the
+    # CPUs, and a CI run once took 0.1 s to answer it (the claim is that it is served, not how
+    # fast a starved machine serves it; its latency is in the failure message).
     cf, names = write_cluster(tmp_path, 4, arbiters=1, control="arbiter", max_flows_per_host=16, lease_min_s=30.0,
-                              spines=32, arbiter_rate_per_host=200.0)
+                              spines=32, arbiter_rate_per_host=200.0, arbiter_timeout_s=2.0)
     cl = load_cluster(cf)
     idx = {n: cl.host(n).index for n in names}  # names alternate leaves: 0 and 2 on one, 1 and 3 on the other
     procs = AgentProcs(cf, [names[3]], tmp_path)
@@ -47,7 +51,7 @@ def test_a_flooding_greedy_host_is_capped_and_an_honest_agent_still_reserves(tmp
         assert len(reserved) == 16  # its cap of live reservations, whatever it asks
         why = {p.why.split(":")[0] for p in parts if not p.reserved}
         assert "rate limited" in why and "cap" in why, why
-        assert lease.reserved and latency < 1.0, (lease, latency, flood_s)
+        assert lease.reserved and latency < 2.0, (lease, latency, flood_s)
 
         # Replays: a request id among its last 64 gets the kept answer and changes nothing.
         last = answers[-1]
