@@ -64,6 +64,19 @@ def test_every_config_table_and_key_appears_with_its_default() -> None:
     assert "| `control` | one of | `'broadcast'` |" in text
 
 
+def test_strings_checked_against_a_registry_list_what_they_accept() -> None:
+    from ark.core.protocol import POLICIES
+    from ark.core.topology import preset_names
+    from ark.sim.engine import SCHEMES
+    from ark.sim.serving import GPUS
+    from ark.sim.workload import MODELS
+
+    rows = {line.split(" | ")[0]: line for line in ref.config_markdown().splitlines() if line.startswith("| `")}
+    for key, values in (("policy", POLICIES), ("model", MODELS), ("gpu", GPUS), ("schemes", SCHEMES),
+                        ("preset", preset_names())):
+        assert rows[f"| `{key}`"].endswith("| one of " + ", ".join(f"`{v}`" for v in values) + " |"), key
+
+
 def test_every_local_api_op_and_field_appears() -> None:
     text = ref.api_markdown()
     for op, cls in REQUESTS.items():

@@ -179,6 +179,18 @@ def test_a_placed_flow_takes_a_port_of_the_granted_path_and_the_arbiters_lease()
     assert not fallback.reserved and fallback.fallback == NO_ARBITER
 
 
+def test_a_placed_flow_within_a_leaf_takes_path_zeros_next_port_as_a_request_would() -> None:
+    # Hosts 0 and 1 share a leaf: one path, nothing reserved, not a fallback, and the same
+    # round-robin port a broadcast core would pick (not a random one).
+    placed, requested = _node(), _node()
+    for k in range(3):
+        a = placed.place((0, 5 << 32 | k), 1, 10**9, 1.0, 4791, None, why="same leaf")
+        b, _ = requested.reserve(1, 10**9, 1.0, 4791)
+        assert (a.path, a.src_port, a.reserved, a.fallback) == (b.path, b.src_port, b.reserved, b.fallback)
+        assert a.fallback == "same leaf" and not a.reserved
+    assert placed.core.counters.fallbacks == 0
+
+
 # ---------------------------------------------------------------------- fixed bugs, pinned
 def test_request_ids_start_at_the_incarnation_so_a_restart_never_reuses_one() -> None:
     before = ArbiterLink(1, incarnation=7)

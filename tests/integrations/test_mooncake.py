@@ -68,6 +68,8 @@ if mode == "steered":  # as a serving engine would: the wrapper in place of Tran
     plain = eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"})
 elif mode == "split":  # a multi-path lease of two parts per transfer
     plain = eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"}, parts=2)
+elif mode == "polled":  # the same, each request submitted on its own and its status polled
+    plain = eng = SteeredTransferEngine(agent=api, hosts={"127.0.0.2": "gpu1"}, parts=2, poll_s=0.002)
 else:
     plain = TransferEngine()
 assert plain.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -84,7 +86,7 @@ if mode == "steered":
         out[k] = {"dport": x.dport, "path": x.lease.path if x.lease else None, "port_paths": x.port_paths, "ecmp": x.ecmp, "flow": list(x.lease.flow_id) if x.lease else None,
                   "ports": x.ports, "steered": x.steered, "error": x.error,
                   "conns": [[c.sport, c.dport, c.steered] for c in x.connections]}
-elif mode == "split":
+elif mode in ("split", "polled"):
     q = n // 8
     rc = eng.batch_transfer_sync_write(target, [src.ctypes.data + i * q for i in range(8)],
                                        [info["addr"] + i * q for i in range(8)], [q] * 8)
@@ -186,10 +188,11 @@ def test_steered_writes_use_ports_of_the_leased_path_and_release(agents, tmp_pat
         assert st["core"]["reserved"] == 2
 
 
-def test_a_multi_path_lease_puts_a_transfers_connections_on_its_parts_round_robin(agents, tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["split", "polled"])
+def test_a_multi_path_lease_puts_a_transfers_connections_on_its_parts_round_robin(agents, tmp_path, mode) -> None:
     procs, cl, _names = agents
     p, info, done = _receiver(tmp_path)
-    out = _send(info, procs.api("gpu0"), "split")
+    out = _send(info, procs.api("gpu0"), mode)
     assert out["rc"] == [0] and _verified(p, done, 4 << 20)
     assert out["steered"] and out["error"] is None and not out["repathed"]
     assert out["reserved"] == [True, True] and len(set(out["paths"])) == 2
@@ -315,9 +318,10 @@ def test_an_unsteered_engine_connects_as_before(agents, tmp_path) -> None:
         p, info, done = _receiver(tmp_path / str(i))
         out = _send(info, procs.api("gpu0"), "plain", preloaded=preloaded, one_shot=one_shot)
         assert out["rc"] == [0]
-        if one_shot:  # one connection, from this thread, on the kernel's ephemeral port
+        if preloaded:  # one connection, from this thread, on the kernel's ephemeral port (unset: the
+            # pinned 0.3.12's default, one connection per request)
             assert len(out["conns"]) == 1 and all(lo <= c[0] <= hi and c[2] is None for c in out["conns"])
-        else:  # pooled lanes (the engine's default) connect from its I/O thread: nothing in this thread
+        else:  # no interposer: nothing observed
             assert out["conns"] == []
         assert _verified(p, done, 4 << 20)
 
@@ -336,8 +340,11 @@ def test_bad_targets_and_pooled_lanes_are_refused() -> None:
     for bad in ("10.0.0.1", "10.0.0.1:0", "10.0.0.1:x", 7, "no.such.host.invalid:1"):
         with pytest.raises(SteeringError, match="target_hostname"):
             parse_target(bad)
-    assert pool_enabled({"MC_TCP_ENABLE_CONNECTION_POOL": "1"}) and pool_enabled({})  # unset: pooled, the default
+    assert pool_enabled({"MC_TCP_ENABLE_CONNECTION_POOL": "1"}) and pool_enabled({})  # unset: pooled, 0.3.13's default
     assert not pool_enabled({"MC_TCP_ENABLE_CONNECTION_POOL": "false"})
     for bad in (17, -1, True, "2", 1.5):
         with pytest.raises(SteeringError, match=r"^parts: expected None or an integer 0..16"):
             SteeredTransferEngine(engine=object(), agent="ipc:///nowhere", hosts={}, parts=bad)
+    for bad in (-0.001, 0.2, float("nan"), True, "0.01"):
+        with pytest.raises(SteeringError, match=r"^poll_s: expected seconds 0..0.1"):
+            SteeredTransferEngine(engine=object(), agent="ipc:///nowhere", hosts={}, poll_s=bad)

@@ -149,6 +149,30 @@ def test_a_path_stays_held_until_the_drop_lands() -> None:
     assert arb.flows[1].path == 1 and arb.flows[1].reserved  # A's Drop (one + 1.5 rtt) is not in yet
 
 
+def test_the_host_places_a_grant_as_an_agent_does() -> None:
+    """Each host's own core places the arbiter's answer (ArkCore.place): with two source
+    ports, no host has a port of every path; a granted path with none here goes out as
+    plain ECMP and its reservation is dropped at once (before, the flow counted as reserved
+    on a path it never took, held there until it ended)."""
+    rtt = 1e-4
+    flows = [FlowSpec(i, i, 8 + i, 10**9, 0.0) for i in range(4)]  # paths 0-3 granted at once
+    sim = FluidSim(PAPER, "ark", seed=1, control="arbiter", arbiter_rtt_s=rtt, port_range=(49152, 49153))
+    res = sim.run(flows)
+    assert res.path_mismatches == 0
+    assert [(f.reserved, f.fallback) for f in res.flows] == [(True, False)] + [(False, True)] * 3
+    assert sim.arbiter is not None
+    table = sim.arbiter.arbiter.table
+    entries = [table.get(f) for f in table.entries()]
+    dropped = [e for e in entries if e is not None and e.path != 0]
+    assert len(dropped) == 3 and all(e.released == pytest.approx(1.5 * rtt) for e in dropped)
+    # Within a leaf: path 0's next port, not a fallback, as a broadcast core places it.
+    same = [FlowSpec(0, 0, 1, 10**9, 0.0), FlowSpec(1, 0, 1, 10**9, 0.0)]
+    arb = FluidSim(PAPER, "ark", seed=1, control="arbiter", arbiter_rtt_s=0.0).run(same)
+    bcast = FluidSim(PAPER, "ark", seed=1, control_delay_s=0.0).run(same)
+    assert [(f.path, f.reserved, f.fallback) for f in arb.flows] == [(f.path, False, False) for f in bcast.flows]
+    assert arb.fallbacks == bcast.fallbacks == 0
+
+
 def test_schemes_without_a_control_plane_ignore_the_mode() -> None:
     flows = [FlowSpec(0, 0, 8, 10**9, 0.0)]
     a = FluidSim(PAPER, "ecmp", seed=1, control="arbiter").run(flows)

@@ -59,7 +59,7 @@ from ark.core.fabric_config import FabricConfig
 from ark.core.lease import DEFAULT_MAX_LEASE_S, LeasePolicy
 from ark.core.pathmap import PathMapCache, PathMapError, parse_port_range
 from ark.core.protocol import POLICIES
-from ark.core.schema import ConfigError, NonNegative, Port, convert, one_of
+from ark.core.schema import ConfigError, NonNegative, Port, accepted, convert, one_of
 from ark.core.scope import Scope, scope_of
 from ark.core.topology import Fabric
 
@@ -75,7 +75,7 @@ class ClusterError(ConfigError):
 class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[cluster]`` table: timers, leases, limits, probing."""
 
-    policy: str = "ark"
+    policy: Annotated[str, accepted(POLICIES)] = "ark"
     dport: Port = 4791
     port_range: str = "49152-65535"
     lease_min_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 1.0

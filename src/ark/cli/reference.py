@@ -137,6 +137,10 @@ def _bounds(t: Any) -> list[str]:
 
 def type_text(t: Any) -> tuple[str, str]:
     """(the type, its accepted values) of a msgspec type, in words."""
+    if isinstance(t, mi.Metadata):  # a string checked against a registry (ark.core.schema.accepted)
+        text, acc = type_text(t.type)
+        members = (t.extra or {}).get("one_of")
+        return (text, "one of " + ", ".join(f"`{v}`" for v in members)) if members else (text, acc)
     if isinstance(t, mi.LiteralType):
         return "one of", ", ".join(f"`{v}`" for v in t.values)
     if isinstance(t, mi.UnionType):

@@ -172,6 +172,9 @@ def tb_roce_check(per_spine: int, iters: int, size: int, prefix: str, state_dir:
 @click.option("--vllm-requests", type=click.IntRange(1, 10_000), default=12, show_default=True,
               help="vllm: requests per run through the P/D router, spread over the background's span (12 of "
                    "200-1000 tokens load the prefill hosts' NICs to about half with their KV caches).")
+@click.option("--vllm-poll-s", type=click.FloatRange(0.0, 0.1), default=0.0, show_default=True,
+              help="vllm: seconds between status checks of a prefill instance's push (0: Mooncake's synchronous "
+                   "write, which keeps a core busy while a push is in flight).")
 @click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,
               help="mooncake: requests per KV flow (the engine opens one connection per request).")
 @click.option("--parts", type=click.IntRange(0, 16), default=0, show_default=True,
@@ -187,7 +190,7 @@ def tb_roce_check(per_spine: int, iters: int, size: int, prefix: str, state_dir:
 @click.option("--state-dir", help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
 def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
-           engine: str, instances: int, vllm_requests: int, buffers: int, parts: int, ecmp_agents: bool, control: str,
+           engine: str, instances: int, vllm_requests: int, vllm_poll_s: float, buffers: int, parts: int, ecmp_agents: bool, control: str,
            out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""
     from ark.testbed import run as tr
@@ -202,7 +205,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
     for p in runs:
         p.check(st)
     if engine == "vllm":
-        _vllm_runs(st, runs, instances, vllm_requests, out_file, as_json, progress)
+        _vllm_runs(st, runs, instances, vllm_requests, vllm_poll_s, out_file, as_json, progress)
         return
     records = [tr.run(st, p, progress=progress) for p in runs]
     from ark.testbed.summary import summarize
@@ -249,8 +252,8 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, samp
                       f"matching their reserved spine: {ch['path_match_after_refresh']:.2%} of {ch['flows_after_refresh']}")
 
 
-def _vllm_runs(st: Any, runs: list[Any], instances: int, n_requests: int, out_file: str | None, as_json: bool,
-               progress: Any) -> None:
+def _vllm_runs(st: Any, runs: list[Any], instances: int, n_requests: int, poll_s: float, out_file: str | None,
+               as_json: bool, progress: Any) -> None:
     """``--engine vllm``: one fleet of instances for every run, then the TTFT comparison."""
     from ark.sim.compare import paired_cells
     from ark.sim.stats import paired_rows
@@ -266,7 +269,7 @@ def _vllm_runs(st: Any, runs: list[Any], instances: int, n_requests: int, out_fi
         make_model(model)
     prefill, decode = tv.fleet_hosts(st, instances)
     fleet = tv.Fleet(st, model, prefill, decode, cluster_file(st, "ark", runs[0].lease_min_s, runs[0].sample, 0.0),
-                     st.dir / "vllm")
+                     st.dir / "vllm", poll_s=poll_s)
     try:
         fleet.start(progress)
         records = [tv.run(st, p, fleet, n_requests, progress) for p in runs]

@@ -17,12 +17,12 @@ Two shapes:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 from ark.core.clos import CLOS_PRESETS, clos3
-from ark.core.schema import Positive, one_of
+from ark.core.schema import Positive, accepted, one_of
 from ark.core.topology import PRESETS, Fabric, TopologyError, preset_names, spine_leaf
 
 _DIMENSIONS = ("leaves", "spines", "gpus_per_leaf", "link_gbps", "nic_gbps")
@@ -37,7 +37,7 @@ class FabricConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     With neither, the fabric is the ``paper`` preset.
     """
 
-    preset: str | None = None
+    preset: Annotated[str, accepted(preset_names())] | None = None
     leaves: int | None = None
     spines: int | None = None
     gpus_per_leaf: int | None = None

@@ -343,6 +343,8 @@ class ArkCore:
             raise CoreError(f"flow: {flow} is already a local flow or not this host's")
         self._settle()
         buckets = self._bucket(dst, dport)
+        if not self._table.stage_list(self.host, dst):  # intra-leaf: one path, as request places it
+            return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False, why=SAME_LEAF)
         if path is None:
             return self._ecmp(flow, dst, dport, buckets, why)
         if not 0 <= path < buckets.map.paths:

@@ -34,6 +34,12 @@ class ConfigError(ValueError):
     """A configuration value that is missing, of the wrong type or out of range."""
 
 
+def accepted(values: Iterable[str]) -> msgspec.Meta:
+    """Annotates a string field checked by :func:`one_of` with the values it accepts, for the
+    generated reference: ``policy: Annotated[str, accepted(POLICIES)]``."""
+    return msgspec.Meta(extra={"one_of": tuple(values)})
+
+
 def one_of(name: str, value: object, accepted: Iterable[str]) -> None:
     """Raise the standard error when ``value`` is not one of ``accepted``."""
     acc = list(accepted)

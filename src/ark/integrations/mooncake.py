@@ -8,14 +8,25 @@
     engine.batch_transfer_sync_write("10.0.1.1:15123", bufs, peer_addrs, lengths)   # steered
 
 The process must run with the ``connect()`` interposer preloaded (``ark preload -- python
-serve.py``): Mooncake's TCP transport opens its connections itself, without binding. By
-default (mooncake-transfer-engine 0.3.13) it keeps up to ``MC_TCP_LANES_PER_PEER`` (4)
-pooled connections per peer, opened once from its I/O thread and reused by every later
-transfer: no lease can steer a connection that outlives its transfer. With
-``MC_TCP_ENABLE_CONNECTION_POOL=0`` it opens one connection per request, from the thread that
-submits it, and closes it when the request is done. The wrapper therefore sets that variable
-to ``0`` when it is unset (before the engine's ``initialize``, which reads it) and refuses a
-pooled setting.
+serve.py``): Mooncake's TCP transport opens its connections itself, without binding. With
+``MC_TCP_ENABLE_CONNECTION_POOL=0`` (the default of mooncake-transfer-engine 0.3.12) it opens
+one connection per request, from the thread that submits it, and closes it when the request
+is done. Pooled connections (0.3.12 with the variable set to 1; 0.3.13's default of up to
+``MC_TCP_LANES_PER_PEER`` connections per peer, opened from its I/O thread) are reused by
+every later transfer: no lease can steer a connection that outlives its transfer. The
+wrapper therefore sets that variable to ``0`` when it is unset (before the engine's
+``initialize``, which reads it) and refuses a pooled setting.
+
+0.3.13 and 0.3.13.post1 hang in that one-connection-per-request mode (:data:`HANGING`): the
+submitting thread arms a session's progress timer while the engine's I/O thread re-arms it,
+a data race that corrupts the heap; within seconds to minutes of concurrent writes every
+sender thread waits forever. The extras pin a release without that timer, and the wrapper
+warns when it finds one of those versions.
+
+``poll_s`` > 0 replaces the engine's synchronous writes, which wait for their requests by
+asking for the status in a loop without pause (a core per write in flight), by the same
+requests submitted one by one (``transfer_submit_write``, from the calling thread, so they
+are steered the same way) and checked every ``poll_s`` seconds in between sleeps.
 
 A steered write (``transfer_sync_write``, ``batch_transfer_sync_write``, ``transfer_sync`` and
 ``batch_transfer_sync`` with the write opcode, or any engine call inside :meth:`steer`):
@@ -40,6 +51,7 @@ why (:meth:`last_transfer`).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import ipaddress
 import itertools
 import logging
@@ -58,6 +70,8 @@ from ark.integrations.preload import Connection, Laned, Rule, RuleStats, require
 
 log = logging.getLogger("ark.integrations.mooncake")
 POOL_ENV = "MC_TCP_ENABLE_CONNECTION_POOL"
+HANGING = ("0.3.13", "0.3.13.post1")  # Mooncake releases whose unpooled TCP writes hang (see above)
+TIMEOUT_S = 30.0  # a polled write's time limit, plus a second per GiB: the engine's own default
 
 
 class SteeringError(ValueError):
@@ -109,7 +123,8 @@ class Transfer:
 
 
 def pool_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether Mooncake's TCP transport would use pooled lanes (unset: its default, pooled)."""
+    """Whether Mooncake's TCP transport may pool connections (unset counts as pooled: 0.3.13's
+    default, though not 0.3.12's)."""
     v = (os.environ if env is None else env).get(POOL_ENV)
     return v is None or v.lower() not in ("0", "false", "no")
 
@@ -131,10 +146,52 @@ def parse_target(target: Any) -> tuple[str, int]:
     return ip, int(port_s)
 
 
+def hanging_release() -> str | None:
+    """The installed Mooncake wheel's version when it is one of :data:`HANGING`."""
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return version if version in HANGING else None
+    return None
+
+
 def _byte_count(lengths: Sequence[Any]) -> int:
     if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths):
         raise SteeringError("lengths: expected integers >= 0")
     return sum(lengths)
+
+
+def polled_write(engine: Any, target_hostname: str, buffers: Sequence[int], peer_buffer_addresses: Sequence[int],
+                 lengths: Sequence[int], transport_hint: str = "", poll_s: float = 0.002) -> int:
+    """A batch written as a Mooncake engine's synchronous call writes it (0, or -1 when a
+    request failed or the time ran out), without its busy wait: each request submitted on
+    its own from this thread, then all checked every ``poll_s`` seconds. It returns only
+    once no request still reads the caller's buffers, or when the time limit (the engine's
+    30 s plus a second per GiB) is over, as the engine's own call does."""
+    if not len(buffers) == len(peer_buffer_addresses) == len(lengths):
+        log.error("polled write: buffers, peer_buffer_addresses and lengths differ in length")
+        return -1
+    deadline = time.monotonic() + TIMEOUT_S + _byte_count(lengths) / 2**30
+    pending, failed = [], False
+    for buf, peer, n in zip(buffers, peer_buffer_addresses, lengths, strict=True):
+        batch = int(engine.transfer_submit_write(target_hostname, buf, peer, n, transport_hint))
+        if batch == 0:  # the engine's failure sentinel: nothing in flight for this request
+            failed = True
+            break
+        pending.append(batch)
+    while pending:
+        # 1 done, 0 in flight, -1 failed, -2 timed out (left to the engine, as its own call does)
+        states = [int(engine.transfer_check_status(b)) for b in pending]
+        failed = failed or any(st < 0 for st in states)
+        pending = [b for b, st in zip(pending, states, strict=True) if st == 0]
+        if pending and time.monotonic() > deadline:
+            log.error("polled write to %s: %d requests not done after the time limit", target_hostname, len(pending))
+            return -1
+        if pending:
+            time.sleep(poll_s)
+    return -1 if failed else 0
 
 
 def _ports_exhausted(t: Transfer) -> str:
@@ -162,10 +219,13 @@ class SteeredTransferEngine:
     ``agent`` None observes only: no lease, connections left to the engine, and each call
     still recorded (the control of an experiment). ``on_transfer`` is called with each
     call's :class:`Transfer` once it has ended and its lease is released.
+
+    ``poll_s`` (0 .. 0.1): 0 leaves synchronous writes to the engine; above 0 they are
+    polled writes that sleep that long between status checks (module docstring).
     """
 
     def __init__(self, engine: Any = None, *, agent: str | None, hosts: Mapping[str, str], spare: int = 4,
-                 timeout_s: float = 5.0, parts: int | None = None,
+                 timeout_s: float = 5.0, parts: int | None = None, poll_s: float = 0.0,
                  on_transfer: Callable[[Transfer], None] | None = None) -> None:
         if POOL_ENV not in os.environ:
             os.environ[POOL_ENV] = "0"  # one connection per request, from the submitting thread
@@ -177,7 +237,12 @@ class SteeredTransferEngine:
         if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int)
                                   or not 0 <= parts <= MAX_SPLIT_PARTS):
             raise SteeringError(f"parts: expected None or an integer 0..{MAX_SPLIT_PARTS}; got {parts!r}")
-        self.parts = parts
+        if isinstance(poll_s, bool) or not isinstance(poll_s, int | float) or not 0 <= poll_s <= 0.1:
+            raise SteeringError(f"poll_s: expected seconds 0..0.1; got {poll_s!r}")
+        if (version := hanging_release()) is not None:
+            log.warning("mooncake-transfer-engine %s: its writes with one connection per request hang under "
+                        "concurrent writes (a data race on a session's progress timer); install 0.3.12.post1", version)
+        self.parts, self.poll_s = parts, float(poll_s)
         self.hosts = {str(ipaddress.IPv4Address(ip)): str(name) for ip, name in hosts.items()}
         require()  # the interposer must be loaded, or nothing could be steered
         if engine is None:
@@ -303,12 +368,18 @@ class SteeredTransferEngine:
     def transfer_sync_write(self, target_hostname: str, buffer: int, peer_buffer_address: int, length: int,
                             transport_hint: str = "") -> int:
         with self.steer(target_hostname, _byte_count([length]), 1):
+            if self.poll_s > 0:
+                return polled_write(self.engine, target_hostname, [buffer], [peer_buffer_address], [length],
+                                    transport_hint, self.poll_s)
             return int(self.engine.transfer_sync_write(target_hostname, buffer, peer_buffer_address, length,
                                                        transport_hint))
 
     def batch_transfer_sync_write(self, target_hostname: str, buffers: list[int], peer_buffer_addresses: list[int],
                                   lengths: list[int], transport_hint: str = "") -> int:
         with self.steer(target_hostname, _byte_count(lengths), len(lengths)):
+            if self.poll_s > 0:
+                return polled_write(self.engine, target_hostname, buffers, peer_buffer_addresses, lengths,
+                                    transport_hint, self.poll_s)
             return int(self.engine.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths,
                                                              transport_hint))
 

@@ -40,6 +40,10 @@ Nothing of vLLM is patched or copied: the connector is a subclass loaded through
   vLLM's engine steps every millisecond; on a machine whose cores the engines share with
   the fabric (the testbed), that polling is most of their CPU. A request then notices its
   KV up to this much later.
+* ``ark_poll_s``: seconds (0 .. 0.1; default 0, the engine's own wait) between status checks
+  of a push written as a polled write (:class:`~ark.integrations.mooncake.SteeredTransferEngine`):
+  the engine's synchronous write keeps a core busy asking for its status while the push is
+  in flight, which on a machine shared with other instances delays their compute.
 
 On a CPU-only torch, vLLM 0.32's Mooncake worker asks ``torch.accelerator.current_device_index()``
 in its constructor, which raises without an accelerator; the index only feeds
@@ -78,6 +82,7 @@ class ArkVllmSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     transfer_log: str | None = None
     mode_file: str | None = None
     idle_step_s: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.0
+    poll_s: Annotated[float, msgspec.Meta(ge=0.0, le=0.1)] = 0.0
 
     def __post_init__(self) -> None:
         if (self.cluster is None) != (self.host is None):
@@ -177,7 +182,7 @@ def steered_engine(engine: Any, ark: ArkVllmSettings) -> SteeredTransferEngine |
     one that follows ``ark.mode_file`` when there is one."""
     on_transfer = TransferLog(ark.transfer_log) if ark.transfer_log else None
     if ark.cluster is None or ark.host is None:  # a log without a cluster: observe
-        steered = SteeredTransferEngine(engine, agent=None, hosts={}, on_transfer=on_transfer)
+        steered = SteeredTransferEngine(engine, agent=None, hosts={}, poll_s=ark.poll_s, on_transfer=on_transfer)
     else:
         from ark.agent.cluster import load
 
@@ -186,7 +191,8 @@ def steered_engine(engine: Any, ark: ArkVllmSettings) -> SteeredTransferEngine |
         for name in dict.fromkeys(hosts.values()):
             cl.host(name)  # every named host is in the cluster file (one line if not)
         agent = cl.host(ark.host).api if ark.steer else None
-        steered = SteeredTransferEngine(engine, agent=agent, hosts=hosts, parts=ark.parts, on_transfer=on_transfer)
+        steered = SteeredTransferEngine(engine, agent=agent, hosts=hosts, parts=ark.parts, poll_s=ark.poll_s,
+                                        on_transfer=on_transfer)
     return ModeFollower(steered, ark.mode_file) if ark.mode_file else steered
 
 

@@ -8,14 +8,16 @@ everyone, driven through its bytes API exactly as ``ark arbiter`` drives it:
 * a KV flow that arrives at ``t`` sends an :class:`~ark.core.arbiter_wire.Ask` (``parts``
   sub-flows under ``ark-split``); it reaches the arbiter at ``t + rtt/2``, which decides
   then, with that instant as its clock;
-* the :class:`~ark.core.arbiter_wire.Grant` is back at the host at ``t + rtt``: the host
-  picks a source port of each granted path from its own path map (round-robin per path,
-  never a port in use towards that peer, as a core does), or a random port for a part
-  the arbiter left to plain ECMP, and the flow starts then: its FCT counts the wait.
-  Each host draws those random ports from the same seeded stream, the same way, as its
-  :class:`~ark.core.protocol.ArkCore` does under broadcast (common random numbers: a
-  comparison of the two modes is not a comparison of two sets of ECMP draws);
-* when the flow completes the host frees its ports and sends one
+* the :class:`~ark.core.arbiter_wire.Grant` is back at the host at ``t + rtt``: the host's
+  own :class:`~ark.core.protocol.ArkCore` places each part as an agent's does
+  (:meth:`~ark.core.protocol.ArkCore.place`: a source port of the granted path from its
+  map, round-robin, never one in use towards that peer; a random port for a part left to
+  plain ECMP; path 0's next port within a leaf), and the flow starts then: its FCT counts
+  the wait. A granted path with no free port here goes out as plain ECMP and its
+  reservation is dropped at once, as an agent drops it. Each host's core draws from the
+  same seeded stream as under broadcast (common random numbers: a comparison of the two
+  modes is not a comparison of two sets of ECMP draws);
+* when the flow completes its core frees the ports and the host sends one
   :class:`~ark.core.arbiter_wire.Drop`, applied at the arbiter ``rtt/2`` later (until
   then the paths stay held);
 * the arbiter's timers (forgetting released reservations) fire at its own
@@ -31,16 +33,16 @@ costs those), link failures (the hosts would have to ask again).
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from ark.core import arbiter_wire as w
-from ark.core.arbiter import SAME_LEAF, Arbiter, ArbiterLimits, LeaseFn
+from ark.core.arbiter import Arbiter, ArbiterLimits, LeaseFn
 from ark.core.flows import FlowSpec
 from ark.core.messages import FlowId
 from ark.core.node import MAX_SPLIT_PARTS
-from ark.core.pathmap import PathMap, PathMapError, PortBuckets
+from ark.core.pathmap import PathMap
+from ark.core.protocol import ArkCore, Decision
 from ark.core.topology import Fabric
 from ark.sim.transfer import Transfer
 
@@ -50,6 +52,7 @@ MAX_ASK_PARTS = MAX_SPLIT_PARTS  # parts one Ask may carry (the wire format's bo
 SIM_LIMITS = ArbiterLimits(max_flows_per_host=1 << 20, rate_per_host=1e9, burst_per_host=1 << 20)
 # A lone arbiter beats to no other arbiter: a beat would only wake the event loop.
 LONE_HEARTBEAT_S = 1e6
+REFUSED = "refused by the arbiter"  # an Ask it answered with no part (a flow to the asking host)
 
 
 def unsupported(*, jitter_s: float, skew_s: float, control_on_data: bool, link_down: bool, parts: int) -> str:
@@ -67,7 +70,7 @@ def unsupported(*, jitter_s: float, skew_s: float, control_on_data: bool, link_d
 class Part(NamedTuple):
     """One sub-flow as the host starts it."""
 
-    flow: FlowId | None  # the arbiter's id (None: it granted nothing)
+    flow: FlowId  # the arbiter's id (the host's own when the arbiter granted nothing)
     path: int  # the granted path (-1: not reserved, the switches decide)
     port: int
     reserved: bool
@@ -118,14 +121,13 @@ class ArbiterControl:
         schedule: Callable[[float, Event], None], pending: Callable[[], int], start_s: float,
     ) -> None:
         self.rtt, self.dport, self.parts = rtt_s, dport, parts
-        self._pathmaps, self._schedule, self._pending = pathmaps, schedule, pending
+        self._schedule, self._pending = schedule, pending
         self.arbiter = Arbiter(fabric, policy=policy, lease=lease, limits=SIM_LIMITS, retention_s=retention_s,
                                heartbeat_s=LONE_HEARTBEAT_S, takeover_s=2 * LONE_HEARTBEAT_S)
         self.arbiter.start(start_s)
-        self._seeds = host_seeds
-        self._rngs: dict[int, random.Random] = {}  # per host, made when it first draws
-        self._buckets: dict[tuple[int, int], PortBuckets] = {}
-        self._cursors: dict[tuple[int, int], tuple[int, ...]] = {}  # of pairs with no port in use
+        self._fabric, self._pathmaps, self._policy = fabric, pathmaps, policy
+        self._seeds, self._retention = host_seeds, retention_s
+        self._cores: dict[int, ArkCore] = {}  # per host, made when it first has a flow
         self._granted: dict[FlowId, int] = {}  # reserved flows in flight -> the path granted
         self._rid = 0
         self._epoch = 0  # the highest epoch the hosts have seen
@@ -146,7 +148,7 @@ class ArbiterControl:
         if isinstance(ev, _Ask):
             self._decide(ev, now)
         elif isinstance(ev, _Grant):
-            return self._granted_at_host(ev)
+            return self._granted_at_host(ev, now)
         elif isinstance(ev, _Drop):
             self.arbiter.on_host(ev.host, ev.data, now)
             self._after_arbiter()
@@ -158,14 +160,13 @@ class ArbiterControl:
         return None
 
     def done(self, t: Transfer, now: float) -> None:
-        """``t`` completed: its host frees its ports and drops its reservations."""
-        src, dst = t.res.src, t.res.dst
-        b = self._buckets[(src, dst)]
-        dropped: list[tuple[int, int]] = []
+        """``t`` completed: its host's core frees its ports and the host drops its reservations."""
+        src = t.res.src
+        core = self._cores[src]
+        dropped: list[FlowId] = []
         for sub in t.subs:
-            b.give(sub.port)
-            if sub.core_flow is None:
-                continue
+            assert sub.core_flow is not None  # every part has an id: the arbiter's or the core's
+            core.release(sub.core_flow, now)  # its table holds only this host's flows: nothing to send
             path = self._granted.pop(sub.core_flow, None)
             if path is None:
                 continue  # plain ECMP: nothing held at the arbiter
@@ -173,13 +174,15 @@ class ArbiterControl:
             # Measured, not assumed: the path the arbiter holds for it now is the one it granted.
             e = self.arbiter.table.get(sub.core_flow)
             self.races += e is None or e.path != path
-        if not b.in_use:  # no flow to that peer: keep only where each path's walk stands
-            self._cursors[(src, dst)] = b.cursors
-            del self._buckets[(src, dst)]
-        if dropped:
-            msg = w.Drop(self._next_rid(), self._epoch, dropped)
-            self._count(src)
-            self._schedule(now + self.rtt / 2, _Drop(src, w.encode(msg)))
+        if now >= core.next_deadline():  # forget released entries, as an agent's timer does
+            core.tick(now)
+        self._send_drop(src, dropped, now)
+
+    def _send_drop(self, host: int, flows: list[FlowId], now: float) -> None:
+        if flows:
+            msg = w.Drop(self._next_rid(), self._epoch, flows)
+            self._count(host)
+            self._schedule(now + self.rtt / 2, _Drop(host, w.encode(msg)))
 
     # ------------------------------------------------------------------ the arbiter's side
     def _decide(self, ev: _Ask, now: float) -> None:
@@ -199,57 +202,37 @@ class ArbiterControl:
             self._schedule(t, _Tick())
 
     # ------------------------------------------------------------------ the host's side
-    def _granted_at_host(self, ev: _Grant) -> Granted:
+    def _granted_at_host(self, ev: _Grant, now: float) -> Granted:
         f = ev.flow
         msg = w.decode_to_host(ev.data)
         assert isinstance(msg, w.Grant), msg  # a lone leader with no limits answers every Ask
         self._epoch = max(self._epoch, msg.epoch)
-        b = self._bucket(f.src, f.dst)
+        core = self._core(f.src)
         parts: list[Part] = []
+        unplaced: list[FlowId] = []
         for p in msg.parts:
-            if p.reserved:
+            dec = core.place(p.flow, f.dst, f.nbytes, now, self.dport, p.path if p.reserved else None,
+                             shared=p.shared, lease_s=p.lease_s, why=p.why)
+            if dec.reserved:
                 self._granted[p.flow] = p.path
-                parts.append(Part(p.flow, p.path, self._reserved_port(f.src, b, p.path), True, p.shared))
-            elif p.why == SAME_LEAF:  # one path: any port of it, round-robin, as a core picks it
-                parts.append(Part(p.flow, -1, self._reserved_port(f.src, b, 0), False, False))
-            else:
-                parts.append(Part(p.flow, -1, self._random_port(f.src, b), False, True))
-        if not parts:  # an Ask the arbiter refused as invalid (a flow to itself): plain ECMP
-            parts = [Part(None, -1, self._random_port(f.src, b), False, True) for _ in range(self.parts)]
+            elif p.reserved:  # no free port of that path here: the arbiter need not keep it
+                unplaced.append(p.flow)
+            parts.append(_part(dec))
+        if not msg.parts:  # an Ask the arbiter refused as invalid: plain ECMP under the core's own ids
+            parts = [_part(core.request(f.dst, f.nbytes, now, self.dport, reserve=False, why=REFUSED))
+                     for _ in range(self.parts)]
+        self._send_drop(f.src, unplaced, now)
         return Granted(f, parts)
 
-    def _bucket(self, src: int, dst: int) -> PortBuckets:
-        key = (src, dst)
-        b = self._buckets.get(key)
-        if b is None:
-            b = self._buckets[key] = PortBuckets(self._pathmaps(src, dst, self.dport))
-            cursors = self._cursors.pop(key, None)
-            if cursors is not None:
-                b.cursors = cursors
-        return b
-
-    def _reserved_port(self, host: int, b: PortBuckets, path: int) -> int:
-        try:
-            return b.take(path)
-        except PathMapError:  # every port of the path in use towards this peer: the switches decide
-            return self._random_port(host, b)
-
-    def _random_port(self, host: int, b: PortBuckets) -> int:
-        """A port not in use towards this peer, drawn uniformly: plain ECMP (the draws of
-        ``ArkCore._random_port``, from the same per-host stream)."""
-        rng = self._rngs.get(host)
-        if rng is None:
-            rng = self._rngs[host] = random.Random(self._seeds[host])
-        if b.map.sampled:  # only probed ports have a known path
-            known = [p for p in b.map.known_ports().tolist() if p not in b.in_use]
-            port: int = known[rng.randrange(len(known))]
-        else:
-            lo, hi = b.map.port_range
-            port = rng.randint(lo, hi)
-            while port in b.in_use:
-                port = rng.randint(lo, hi)
-        b.claim(port)
-        return port
+    def _core(self, host: int) -> ArkCore:
+        core = self._cores.get(host)
+        if core is None:
+            # Its table holds only its own flows (placed, never decided again); it keeps port
+            # buckets only for peers it has flows to, as under broadcast.
+            core = self._cores[host] = ArkCore(host, self._fabric, self._pathmaps, policy=self._policy,
+                                               seed=self._seeds[host], retention_s=self._retention,
+                                               max_idle_peers=0)
+        return core
 
     def _next_rid(self) -> int:
         # Unique per run: the arbiter answers a repeated request id from its kept answers.
@@ -259,3 +242,7 @@ class ArbiterControl:
     def _count(self, host: int) -> None:
         self.requests += 1
         self.sent_by_host[host] += 1
+
+
+def _part(dec: Decision) -> Part:
+    return Part(dec.flow, dec.path if dec.reserved else -1, dec.port, dec.reserved, dec.fallback)

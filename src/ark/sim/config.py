@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from ark.core.fabric_config import FabricConfig
 from ark.core.pathmap import ROCE_PORT_RANGE, PathMapError, check_port_range, parse_port_range
-from ark.core.schema import ConfigError, Count, NonNegative, Port, Positive, convert, one_of
+from ark.core.schema import ConfigError, Count, NonNegative, Port, Positive, accepted, convert, one_of
 from ark.sim.arbiter_control import unsupported
 from ark.sim.balancers import TWO_TIER_ONLY, SchemeParams
 from ark.sim.engine import ARK_SCHEMES, REPRODUCED, SCHEMES
@@ -43,7 +43,7 @@ DEFAULT_QPS = (1.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0)
 
 
 class WorkloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    model: str = "llama-3-8b"
+    model: Annotated[str, accepted(MODELS)] = "llama-3-8b"
     requests: Count = 1000
     qps: Positive | tuple[Positive, ...] = DEFAULT_QPS
     theta: float = 0.7
@@ -70,7 +70,7 @@ class WorkloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
 class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     mode: Literal["paper", "queued"] = "paper"
-    gpu: str = "a100"
+    gpu: Annotated[str, accepted(GPUS)] = "a100"
     tp: Count = 1
     placement: Literal["round-robin", "random"] = "round-robin"
     decode_slots: Count = 64
@@ -138,7 +138,7 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 class RunsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[experiment]`` table: which schemes and seeds a sweep runs."""
 
-    schemes: tuple[str, ...] = REPRODUCED
+    schemes: tuple[Annotated[str, accepted(SCHEMES)], ...] = REPRODUCED
     seeds: int | tuple[int, ...] = 3  # a count N (seeds 0..N-1) or a list
 
     def __post_init__(self) -> None:

@@ -90,9 +90,9 @@ class Fleet:
     """The vLLM instances of an invocation: started once, stopped at the end."""
 
     def __init__(self, st: State, model: Path, prefill: Sequence[int], decode: Sequence[int], cluster: Path,
-                 work: Path) -> None:
+                 work: Path, poll_s: float = 0.0) -> None:
         self.st, self.model, self.prefill, self.decode = st, model, list(prefill), list(decode)
-        self.cluster, self.work = cluster, work
+        self.cluster, self.work, self.poll_s = cluster, work, poll_s
         self.mode_file = work / "mode.json"
         self.procs: list[subprocess.Popen[bytes]] = []
         work.mkdir(parents=True, exist_ok=True)
@@ -124,7 +124,7 @@ class Fleet:
         extra: dict[str, Any] = {"mooncake_protocol": "tcp"}
         if producer:
             extra.update(ark_cluster=str(self.cluster), ark_host=f"gpu{host}", ark_mode_file=str(self.mode_file),
-                         ark_transfer_log=str(self.log_of(host)))
+                         ark_transfer_log=str(self.log_of(host)), ark_poll_s=self.poll_s)
         cfg["kv_connector_extra_config"] = extra
         return cfg
 
