@@ -26,8 +26,12 @@ def test_settings_take_the_ark_keys_and_name_a_bad_one() -> None:
     assert ArkVllmSettings.from_extra(None) == ArkVllmSettings()
     assert ArkVllmSettings.from_extra({"ark_idle_step_s": 0.01}).idle_step_s == 0.01
     assert ArkVllmSettings().idle_step_s == 0.0  # vLLM's own pace
+    assert ArkVllmSettings.from_extra({"ark_poll_s": 0.002}).poll_s == 0.002
+    assert ArkVllmSettings().poll_s == 0.0  # the engine's own synchronous write
     for extra, why in (({"ark_parts": 17}, "parts"), ({"ark_parts": "2"}, "parts"), ({"ark_steer": "no"}, "steer"),
                        ({"ark_idle_step_s": 0.5}, "idle_step_s"), ({"ark_idle_step_s": float("nan")}, "idle_step_s"),
+                       ({"ark_poll_s": 0.5}, "poll_s"), ({"ark_poll_s": -1e-3}, "poll_s"),
+                       ({"ark_poll_s": float("inf")}, "poll_s"), ({"ark_poll_s": "fast"}, "poll_s"),
                        ({"ark_cluster": "c.toml"}, "ark_cluster: give ark_cluster and ark_host together"),
                        ({"ark_bogus": 1}, "bogus")):
         with pytest.raises(ConfigError, match=why):

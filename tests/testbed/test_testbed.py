@@ -122,6 +122,10 @@ def test_testbed_commands_without_a_testbed_fail_in_one_line(tmp_path, capsys):
     assert "--fail-link" in capsys.readouterr().err
     assert main(["testbed", "run", "--fail-link", "0:1@3:0.5", "--state-dir", str(tmp_path)]) == 2
     assert "cannot degrade" in capsys.readouterr().err
+    for bad, why in (("nan", "is not a finite number"), ("0.5", "is not in the range")):
+        assert main(["testbed", "run", "--engine", "vllm", "--vllm-poll-s", bad, "--state-dir", str(tmp_path)]) == 2
+        e = capsys.readouterr().err.strip()
+        assert "--vllm-poll-s" in e and why in e and "\n" not in e
 
 
 # --------------------------------------------------------------------------- root

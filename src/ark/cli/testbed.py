@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ark.cli.common import err, out, seeds_option
+from ark.cli.common import FiniteRange, err, out, seeds_option
 
 TB_HELP_DIR = "State folder (default /run/ark-testbed, or $ARK_TESTBED_DIR)."
 
@@ -172,7 +172,7 @@ def tb_roce_check(per_spine: int, iters: int, size: int, prefix: str, state_dir:
 @click.option("--vllm-requests", type=click.IntRange(1, 10_000), default=12, show_default=True,
               help="vllm: requests per run through the P/D router, spread over the background's span (12 of "
                    "200-1000 tokens load the prefill hosts' NICs to about half with their KV caches).")
-@click.option("--vllm-poll-s", type=click.FloatRange(0.0, 0.1), default=0.0, show_default=True,
+@click.option("--vllm-poll-s", type=FiniteRange(0.0, 0.1), default=0.0, show_default=True,
               help="vllm: seconds between status checks of a prefill instance's push (0: Mooncake's synchronous "
                    "write, which keeps a core busy while a push is in flight).")
 @click.option("--buffers", type=click.IntRange(1, 256), default=1, show_default=True,

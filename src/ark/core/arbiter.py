@@ -27,8 +27,9 @@ new leader always takes a generation above every epoch it has seen. The leader s
 every table message it applies to the follower (:class:`~ark.core.arbiter_wire.Changes`)
 and a :class:`~ark.core.arbiter_wire.Beat` every ``heartbeat_s``; a follower that missed
 any asks for the whole table again (and again two beats later while it has not got it).
-A follower that hears no leader for ``takeover_s`` leads with a new epoch, on the table it holds (rank r waits two beats more per rank,
-so that at a cold start the first rank leads). An arbiter that learns of a higher epoch
+A follower that hears no leader for ``takeover_s`` leads with a new epoch, on the table
+it holds (rank r waits two beats more per rank, so that at a cold start the first rank
+leads). An arbiter that learns of a higher epoch
 than its own (a host's message, the other arbiter's beat) stops leading and follows.
 An arbiter starts from the highest epoch it led or heard of before (``seen_epoch``, kept
 across restarts by ``ark arbiter``): it follows any leader of that epoch or above, and

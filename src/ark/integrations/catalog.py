@@ -44,7 +44,7 @@ ENGINES: tuple[EngineKnob, ...] = (
         "opened by the submitting thread",
         "each connection",
         "per-transfer steering: ark.integrations.mooncake.SteeredTransferEngine + the connect() interposer "
-        "(ark preload); pooled lanes (the default) are refused",
+        "(ark preload); pooled connections (0.3.12 with the variable at 1, 0.3.13's default) are refused",
         "nothing more (the interposer binds each one-shot connection)",
         "the mooncake-transfer-engine wheel over real TCP (tests/integrations/test_mooncake.py, the testbed)",
     ),

@@ -20,8 +20,8 @@ wrapper therefore sets that variable to ``0`` when it is unset (before the engin
 0.3.13 and 0.3.13.post1 hang in that one-connection-per-request mode (:data:`HANGING`): the
 submitting thread arms a session's progress timer while the engine's I/O thread re-arms it,
 a data race that corrupts the heap; within seconds to minutes of concurrent writes every
-sender thread waits forever. The extras pin a release without that timer, and the wrapper
-warns when it finds one of those versions.
+sender thread waits forever. The extras pin 0.3.12.post1, which has no such timer, and the
+wrapper warns when it finds one of those versions.
 
 ``poll_s`` > 0 replaces the engine's synchronous writes, which wait for their requests by
 asking for the status in a loop without pause (a core per write in flight), by the same
@@ -75,7 +75,7 @@ TIMEOUT_S = 30.0  # a polled write's time limit, plus a second per GiB: the engi
 
 
 class SteeringError(ValueError):
-    """A steered call that cannot be steered as asked (bad target, pooled lanes)."""
+    """A steered call that cannot be steered as asked (bad target, pooled connections)."""
 
 
 @dataclass
@@ -230,7 +230,7 @@ class SteeredTransferEngine:
         if POOL_ENV not in os.environ:
             os.environ[POOL_ENV] = "0"  # one connection per request, from the submitting thread
         if pool_enabled():
-            raise SteeringError(f"{POOL_ENV}: pooled lanes are opened once per peer and outlive every transfer, so a "
+            raise SteeringError(f"{POOL_ENV}: pooled connections are kept per peer and outlive every transfer, so a "
                                 "lease cannot steer them; unset it (one connection per request) or use TransferEngine")
         if isinstance(spare, bool) or not isinstance(spare, int) or not 0 <= spare <= 256:
             raise SteeringError(f"spare: expected an integer 0..256; got {spare!r}")
@@ -319,7 +319,7 @@ class SteeredTransferEngine:
                 t.connections, t.stats = rule.connections(), rule.stats()
                 if not t.connections and nbytes > 0 and t.error is None and rule.resolver_error is None:
                     t.error = (f"no connection to {ip} was opened from this thread: the engine reused one "
-                               f"(pooled lanes, {POOL_ENV} was set after it initialized?)")
+                               f"(pooled connections: {POOL_ENV} was set after it initialized?)")
                 if rule.resolver_error is not None:
                     t.error = f"{type(rule.resolver_error).__name__}: {rule.resolver_error}"
                     log.warning("transfer to %s went out unsteered: %s", target_hostname, t.error)
