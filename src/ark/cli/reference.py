@@ -13,7 +13,9 @@ The documentation site's build hook (``docs/hooks.py``) adds each as a page;
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,8 +104,9 @@ def _tables(cls: type[msgspec.Struct], path: str = "") -> Iterator[tuple[str, ty
         yield from _tables(sub[0], name)
 
 
-FILES = {"experiment": "experiment config (`ark run --config`, `ark compare --config`, ...)",
-         "cluster": "cluster file (`ark agent --cluster`)"}
+FILES = {"experiment": "experiment config (`ark reproduce --config`, `ark compare --config`, `ark simulate`, "
+                         "`ark sweep`, `ark testbed up --config`)",
+         "cluster": "cluster file (`ark agent --cluster`, `ark arbiter --cluster`)"}
 
 
 def config_tables() -> list[tuple[str, str, type[msgspec.Struct]]]:
@@ -121,6 +124,37 @@ def _own_keys(cls: type[msgspec.Struct]) -> set[str]:
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
     return {f.encode_name for f in info.fields if _struct_of(f.type) is None}
+
+
+def _rst(text: str) -> str:
+    return text.replace("``", "`")
+
+
+def table_text(cls: type[msgspec.Struct]) -> str:
+    """What a table is for: the first paragraph of its Struct's docstring."""
+    doc = inspect.getdoc(cls) or ""
+    return _rst(" ".join(doc.split("\n\n", 1)[0].split()))
+
+
+def key_texts(cls: type[msgspec.Struct]) -> dict[str, str]:
+    """Each key's description, from the ``Keys:`` section of its Struct's docstring (one
+    ``name: text`` entry per key, continued on lines indented further)."""
+    doc = inspect.getdoc(cls) or ""
+    out: dict[str, str] = {}
+    lines = doc.split("Keys:\n", 1)[1].splitlines() if "Keys:\n" in doc else []
+    key = None
+    for line in lines:
+        if not line.strip():
+            break
+        m = re.match(r"^    ([a-z_][a-z0-9_]*): (.*)$", line)
+        if m:
+            key = m.group(1)
+            out[key] = m.group(2)
+        elif key is not None and line.startswith("        "):
+            out[key] += " " + line.strip()
+        else:
+            break
+    return {k: _rst(v) for k, v in out.items()}
 
 
 def _bounds(t: Any) -> list[str]:
@@ -183,17 +217,18 @@ def _default(f: mi.Field) -> str:
     return ""
 
 
-def struct_fields(cls: type[msgspec.Struct]) -> Iterator[tuple[str, str, str, str]]:
-    """(key, type, default, accepted values) of every field of ``cls`` that is a value (its
-    tables have their own section)."""
+def struct_fields(cls: type[msgspec.Struct]) -> Iterator[tuple[str, str, str, str, str]]:
+    """(key, type, default, accepted values, description) of every field of ``cls`` that is
+    a value (its tables have their own section)."""
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
     own = _own_keys(cls)
+    texts = key_texts(cls)
     for f in info.fields:
         if f.encode_name not in own:
             continue
         kind, accepted = type_text(f.type)
-        yield f.encode_name, kind, _default(f), accepted
+        yield f.encode_name, kind, _default(f), accepted, texts.get(f.encode_name, "")
 
 
 def heading(file: str, table: str) -> str:
@@ -202,17 +237,18 @@ def heading(file: str, table: str) -> str:
 
 def config_markdown() -> str:
     lines = ["# Configuration keys", "",
-             "Every table and key of the two TOML files ARK reads, with its type, default and accepted values "
-             "(generated from the definitions that check them). An unknown key is refused with a one-line error "
-             "naming it.", ""]
+             "Every table and key of the two TOML files ARK reads, with its meaning, type, default and accepted "
+             "values (generated from the definitions that check them; [config files](../config-files.md) shows "
+             "them in use). An unknown key is refused with a one-line error naming it.", ""]
     last = ""
     for file, table, cls in config_tables():
         if file != last:
             lines += [f"## The {FILES[file]}", ""]
             last = file
-        doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
-        lines += [heading(file, table), "", doc, "", "| key | type | default | accepted |", "|---|---|---|---|"]
-        lines += [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a in struct_fields(cls)]
+        lines += [heading(file, table), "", table_text(cls), "",
+                  "| key | meaning | type | default | accepted |", "|---|---|---|---|---|"]
+        lines += [f"| `{k}` | {_cell(m)} | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a, m in
+                  struct_fields(cls)]
         lines.append("")
     return "\n".join(lines)
 
@@ -228,7 +264,7 @@ def api_markdown() -> str:
              "fields (generated from the request definitions):", ""]
     for op, cls in REQUESTS.items():
         lines += [f"## `{op}`", "", "| field | type | default | accepted |", "|---|---|---|---|"]
-        rows = [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a in struct_fields(cls)]
+        rows = [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a, _ in struct_fields(cls)]
         lines += rows or ["| (none) | | | |"]
         lines.append("")
     return "\n".join(lines)
