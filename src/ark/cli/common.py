@@ -140,7 +140,7 @@ def jobs_default() -> int:
 def jobs_option(what: str = "Worker processes") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """``--jobs N`` (default: :func:`jobs_default`), the same for every command that sweeps."""
     return click.option("--jobs", type=click.IntRange(min=1), default=None,
-                        help=f"{what} (default: the CPU count, at most {JOBS_MAX}).")
+                        show_default=f"the CPU count, at most {JOBS_MAX}", help=f"{what}.")
 
 
 @contextmanager
@@ -270,7 +270,7 @@ def check_sweep_size(cfg: ExperimentConfig, jobs: int, keep_flows: bool = False)
     wall_s = cpu_s / workers
     if wall_s < ESTIMATE_ABOVE_S:
         return None
-    return (f"estimate: {len(runs)} runs of {n:,} requests on {workers} worker{"s" if workers > 1 else ""}: about {_gib(workers * per_run + kept)} "
+    return (f"estimate: {len(runs)} runs of {n:,} requests on {workers} worker{'s' if workers > 1 else ''}: about {_gib(workers * per_run + kept)} "
             f"of memory and {_duration(wall_s)} (the paper's fabric on a 2-core VM; larger fabrics take longer)")
 
 

@@ -128,7 +128,7 @@ def compare(config_path: str | None, sets: tuple[str, ...], schemes: tuple[str, 
     from ark.sim.compare import compare_config, run_compare, write_compare
 
     if no_plots and fig_dir:
-        raise click.BadParameter("--figures: there are none to write with --no-plots", param_hint="--figures")
+        raise click.BadParameter("there are none to write with --no-plots", param_hint="--figures")
     from ark.sim.experiment import plan
 
     cfg = load_config(config_path, sets).with_overrides(

@@ -53,8 +53,8 @@ def preload(verbs: bool, nccl: bool, command: tuple[str, ...]) -> None:
 @click.command("serve-pd")
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
               help="TOML: [[prefill]] (url, engine_id, bootstrap) and [[decode]] (url) instances, mode.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address the router listens on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="Port the router listens on.")
 def serve_pd(config_path: str, host: str, port: int) -> None:
     """A prefill/decode router: OpenAI completions in front of vLLM P and D instances."""
     import tomllib

@@ -8,16 +8,17 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ark.cli.common import err, jobs_default, jobs_option, load_config, out
+from ark.cli.common import OutFolder, err, jobs_default, jobs_option, load_config, out
 
 
 @click.command()
 @click.option("--config", "config_paths", multiple=True, type=click.Path(dir_okay=False),
-              help="TOML config; repeat for a grid over configs (default: the paper's setup, named 'default').")
-@click.option("--out", "out_dir", default="ark-sweep", show_default=True,
+              show_default="the paper's setup, named 'default'", help="TOML config; repeat for a grid over configs.")
+@click.option("--out", "out_dir", type=OutFolder(), default="ark-sweep", show_default=True,
               help="Output folder: OUT/<config>/results.json|csv, and one file per finished run under OUT/runs/.")
 @jobs_option("Local worker processes")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[ADDRESS]",
+              show_default="local processes",
               help="Run on an existing Ray cluster (ADDRESS, or 'auto' when given bare) instead of local processes.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def sweep(config_paths: tuple[str, ...], out_dir: str, jobs: int | None, ray_address: str | None,
