@@ -235,6 +235,36 @@ def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: in
     for k, v in res.items():
         t.add_row(k, str(v))
     out.print(t)
+    out.print(cluster_verdict(res), highlight=False, soft_wrap=True)
+
+
+# What a cluster run must show to pass, with the way each failure reads.
+_MUST = (("client_errors", 0, "client errors"), ("invalid_messages", 0, "invalid messages"),
+         ("leaked", 0, "leaked reservations"), ("digest_mismatches", 0, "digest mismatches"),
+         ("held_leases_lapsed", 0, "held leases lapsed"))
+
+
+def cluster_verdict(res: dict[str, Any]) -> str:
+    """One line: PASS or FAIL, and what the counters mean (races are expected, not faults)."""
+    bad = [f"{res[k]} {what}" for k, want, what in _MUST if k in res and res[k] != want]
+    if "digests_equal" in res and not res["digests_equal"]:
+        bad.append("tables differ at the end")
+    if res.get("killed") and res.get("dead_reservations_cleared_s") is None:
+        bad.append("the killed agents' reservations were never cleared")
+    if "flows" in res and "flows_requested" in res and res["flows"] != res["flows_requested"]:
+        bad.append(f"{res['flows']} of {res['flows_requested']} cycles done")
+    done = res.get("flows", res.get("cycles", "?"))
+    line = [f"verdict: {'FAIL: ' + ', '.join(bad) if bad else 'PASS'}: {done} reserve+release cycles through "
+            f"{res.get('agents', '?')} real agents"]
+    if "races" in res:
+        line.append(f"{res['races']} races (two agents took one path within the broadcast window; each resolved by "
+                    "(timestamp, host id), the loser re-pathed), not faults")
+    if res.get("killed"):
+        line.append(f"killed agents' reservations gone everywhere {res['dead_reservations_cleared_s']} s after the "
+                    f"kill (lease {res.get('lease_period_s')} s, then a 50 ms grace and tick)")
+    if not bad:
+        line.append("no client error, invalid message or leak; every table equal at the end")
+    return "; ".join(line)
 
 
 @click.command("probe")
