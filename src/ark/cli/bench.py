@@ -9,6 +9,7 @@ from rich.table import Table
 
 from ark.cli.common import (
     FiniteRange,
+    InOrder,
     OutFile,
     jobs_default,
     jobs_option,
@@ -21,7 +22,7 @@ from ark.core.hashing import HASH_MODELS
 from ark.sim import config as cfgmod
 
 
-@click.group()
+@click.group(cls=InOrder)
 def bench() -> None:
     """Benchmarks that print figures (and JSON with --json)."""
 

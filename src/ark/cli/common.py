@@ -26,6 +26,19 @@ out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 
+class InOrder(click.Group):
+    """A command group that lists its commands (help, reference) in ``order``, then the rest in
+    the order they were added: the order a user meets them, not the alphabet's."""
+
+    def __init__(self, *args: Any, order: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.order = tuple(order)
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        first = [c for c in self.order if c in self.commands]
+        return first + [c for c in self.commands if c not in first]
+
+
 class FiniteRange(click.FloatRange):
     """``click.FloatRange`` that also refuses nan and inf (which compare false to every bound)."""
 

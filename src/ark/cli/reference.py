@@ -45,7 +45,9 @@ def commands() -> list[tuple[str, click.Command]]:
     def walk(name: str, cmd: click.Command) -> None:
         out.append((name, cmd))
         if isinstance(cmd, click.Group):
-            for sub in sorted(cmd.commands):
+            with click.Context(cmd) as ctx:
+                subs = cmd.list_commands(ctx)  # the order `ark --help` lists them in
+            for sub in subs:
                 walk(f"{name} {sub}", cmd.commands[sub])
 
     walk("ark", main)
@@ -59,13 +61,17 @@ def _option_row(p: click.Parameter) -> str:
     # 0 is a default to show; False (a flag off) and () (nothing repeated) are not.
     unset = p.default is None or callable(p.default) or p.default is False or p.default == () or repr(
         p.default).startswith("Sentinel.")
-    default = "" if unset else p.default
+    shown = p.show_default if isinstance(p, click.Option) and isinstance(p.show_default, str) else None
+    default = "**required**" if p.required else shown if shown is not None else "" if unset else p.default
     helptext = p.help if isinstance(p, click.Option) and p.help else ""  # arguments have no help
     return f"| {names} | {kind} | {_cell(default)} | {_cell(helptext)} |"
 
 
 def cli_markdown() -> str:
-    lines = ["# Command line", "", "Every `ark` command and option (generated from the command definitions).", ""]
+    lines = ["# Command line", "",
+             "Every `ark` command and option, in the order a user meets them (generated from the command "
+             "definitions; `ark COMMAND --help` prints the same). **required** marks the options a command cannot "
+             "run without.", ""]
     for name, cmd in commands():
         lines += [f"## `{name}`", ""]
         if cmd.help:
@@ -289,3 +295,11 @@ def page(path: str) -> str:
 
 _MAKERS = {"cli_markdown": cli_markdown, "config_markdown": config_markdown, "api_markdown": api_markdown,
            "metrics_markdown": metrics_markdown}
+
+
+if __name__ == "__main__":  # python -m ark.cli.reference reference/config.md: one page on stdout
+    import sys
+
+    if len(sys.argv) != 2 or sys.argv[1] not in PAGES:
+        sys.exit(f"usage: python -m ark.cli.reference PAGE, PAGE one of {', '.join(PAGES)}")
+    print(page(sys.argv[1]))

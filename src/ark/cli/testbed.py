@@ -10,7 +10,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ark.cli.common import FiniteRange, OutFile, err, out, schemes_opt, seeds_option
+from ark.cli.common import FiniteRange, InOrder, OutFile, err, out, schemes_opt, seeds_option
 
 TB_HELP_DIR = "State folder of the testbed (its namespaces, links and agents)."
 TB_DIR_DEFAULT = "/run/ark-testbed, or $ARK_TESTBED_DIR"
@@ -35,7 +35,7 @@ def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and math.isnan(v) else v
 
 
-@click.group()
+@click.group(cls=InOrder, order=("up", "probe", "run", "link", "status", "roce-check", "down"))
 def testbed() -> None:
     """A real spine-leaf or 3-tier Clos fabric in network namespaces (root): up, run, down."""
 

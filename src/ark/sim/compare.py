@@ -225,12 +225,12 @@ def markdown(comp: Comparison) -> str:
     lines = [
         "# Scheme comparison", "", *markdown_lines(cfg, comp.records), "",
         "## Mean FCT (ms) and ratio to the ideal spray", "",
-        "| QPS | " + " | ".join(schemes) + " |", "|---" * (len(schemes) + 1) + "|",
+        "| scheme | " + " | ".join(f"QPS {q:g}" for q in qs) + " |", "|---" * (len(qs) + 1) + "|",
     ]
-    for q in qs:
-        lines.append(f"| {q:g} | " + " | ".join(
+    for s in schemes:  # a row per scheme: eleven schemes would not fit a page as columns
+        lines.append(f"| {s} | " + " | ".join(
             f"{_ms(cell[(q, s)]['fct_mean_s'])} ({cell[(q, s)]['x_spray']:.2f}x)" if (q, s) in cell else "—"
-            for s in schemes) + " |")
+            for q in qs) + " |")
     lines += ["", "## Which scheme at which load", "",
               f"Best deployable scheme (lowest mean FCT; `{IDEAL}` and `oracle-path` are bounds, not deployable), "
               "the schemes within "
