@@ -74,7 +74,8 @@ def steady_and_verdict(records: Sequence[dict[str, Any]], as_json: bool) -> None
             out.print(f"go/no-go at {go_line(d)}", highlight=False, soft_wrap=True)
 
 
-def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool) -> None:
+def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool,
+                    fig_dir: str | None = None) -> None:
     from ark.sim.experiment import plan, run_sweep, summarize, write_results
     from ark.sim.report import results_markdown
 
@@ -89,10 +90,10 @@ def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool,
     if plots:
         from ark.cli import plots as plotmod
 
-        od = Path(out_dir)
+        od = Path(fig_dir or out_dir)
         files.append(plotmod.fct_vs_qps(sweep.records, od))
         files.append(plotmod.ttft_vs_qps(sweep.records, od))
-        p = plotmod.spine_concurrency(sweep.timelines, sweep.timeline_qps, od)
+        p = plotmod.spine_concurrency(sweep.timelines, sweep.timeline_qps, od, cfg.seeds[0], cfg.seeds)
         if p is not None:
             files.append(p)
     if as_json:
@@ -123,16 +124,19 @@ def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool,
               help="Output folder (created).")
 @jobs_option()
 @click.option("--no-plots", is_flag=True, help="Skip the PNG figures.")
+@click.option("--figures", "fig_dir", type=OutFolder(), show_default="--out", help="Write the figures here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 def reproduce(
     qps: str | None, requests: int | None, seeds: str | None, schemes: tuple[str, ...] | None,
-    config_path: str | None, out_dir: str, jobs: int | None, no_plots: bool, as_json: bool,
+    config_path: str | None, out_dir: str, jobs: int | None, no_plots: bool, fig_dir: str | None, as_json: bool,
 ) -> None:
     """Reproduce the published ECMP-vs-ARK experiment (FCT and TTFT over QPS)."""
     cfg = load_config(config_path).with_overrides(
         qps=qps_list(qps), requests=requests, seeds=seeds_option(seeds), schemes=schemes
     )
-    _run_and_report(cfg, out_dir, jobs or jobs_default(), not no_plots, as_json)
+    if no_plots and fig_dir:
+        raise click.BadParameter("there are none to write with --no-plots", param_hint="--figures")
+    _run_and_report(cfg, out_dir, jobs or jobs_default(), not no_plots, as_json, fig_dir)
 
 
 @click.command()
