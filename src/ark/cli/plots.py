@@ -32,7 +32,9 @@ def log_axis(ax: Any, axis: str = "y") -> None:
     """A log axis whose ticks read as plain numbers (0.2, 0.5, 1, 2, 5), never 2x10^0."""
     target = ax.yaxis if axis == "y" else ax.xaxis
     (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
-    target.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12))
+    lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()  # call once the data are drawn
+    wide = lo > 0 and np.log10(hi / lo) > 2.5  # 1, 2, 5 per decade would crowd: 1 per decade
+    target.set_major_locator(ticker.LogLocator(base=10, subs=(1.0,) if wide else (1.0, 2.0, 5.0), numticks=12))
     target.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     target.set_minor_formatter(ticker.NullFormatter())
 
