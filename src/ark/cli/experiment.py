@@ -52,7 +52,7 @@ def _summary_table(rows: Sequence[dict[str, Any]]) -> Table:
 
 
 def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool) -> None:
-    from ark.sim.experiment import plan, run_sweep, summarize, write_results
+    from ark.sim.experiment import path_kind_summary, plan, run_sweep, summarize, write_results
 
     with run_progress(len(plan(cfg)), disable=as_json) as tick:
         sweep = run_sweep(cfg, jobs=jobs, progress=tick)
@@ -74,6 +74,7 @@ def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool,
     mism = sum(r["path_mismatches"] for r in sweep.records)
     races = sum(r["races"] for r in sweep.records)
     out.print(f"path mismatches (reserved spine != switch hash): {mism}; races resolved: {races}")
+    out.print(path_kind_summary(sweep.records))
     out.print("wrote: " + ", ".join(str(f) for f in files))
 
 

@@ -31,6 +31,7 @@ from ark.sim.experiment import (
     RECORD_KEYS,
     RunSpec,
     Sweep,
+    path_kind_summary,
     run_sweep,
     summarize,
     write_results,
@@ -228,6 +229,7 @@ def markdown(comp: Comparison) -> str:
         "# Scheme comparison", "",
         f"Fabric `{_fabric_label(cfg)}`, {cfg.workload.model}, {cfg.workload.requests} requests per run, seeds "
         f"{', '.join(map(str, cfg.seeds))}, KV transfer `{cfg.serving.kv_transfer}`; mean over seeds.", "",
+        path_kind_summary(comp.records) + ".", "",
         "## Mean FCT (ms) and ratio to the ideal spray", "",
         "| QPS | " + " | ".join(schemes) + " |", "|---" * (len(schemes) + 1) + "|",
     ]
