@@ -109,14 +109,12 @@ def test_every_table_and_key_has_a_description_and_none_describes_a_key_that_is_
 
 
 def test_strings_checked_against_a_registry_list_what_they_accept() -> None:
+    from ark.core.hashing import HASH_MODELS
     from ark.core.protocol import POLICIES
-    from ark.core.topology import preset_names
+    from ark.core.topology import HASH_SELECTIONS, TRANSPORTS, preset_names
     from ark.sim.engine import SCHEMES
     from ark.sim.serving import GPUS
     from ark.sim.workload import MODELS
-
-    from ark.core.hashing import HASH_MODELS
-    from ark.core.topology import HASH_SELECTIONS, TRANSPORTS
 
     rows = {line.split(" | ")[0]: line for line in ref.config_markdown().splitlines() if line.startswith("| `")}
     for key, values in (("policy", POLICIES), ("model", MODELS), ("gpu", GPUS), ("schemes", SCHEMES),

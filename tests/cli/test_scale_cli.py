@@ -15,6 +15,7 @@ def test_bench_scale_json_keys() -> None:
         assert k in r
     assert (r["gpus"], r["requests"], r["scheme"], r["path_mismatches"]) == (1024, 300, "ark", 0)
     assert 0 < r["peak_rss_mb"] < 4096 and r["events_per_s"] > 0
+    assert r["flows_cross_pod"] >= 0.4 * 300  # a global scheduler's pairs cross the core
 
 
 def test_polarisation_json(tmp_path) -> None:

@@ -113,7 +113,8 @@ def bench_scale(schemes: tuple[str, ...] | None, requests: int, qps: float | Non
         click.echo(json.dumps(res[0] if len(res) == 1 else res, indent=1))
         return
     t = Table(title=f"{res[0]['gpus']} GPUs x {requests} requests at QPS {res[0]['qps']:g} "
-                    f"(offered load {res[0]['offered_load']:.2f}), one process per scheme")
+                    f"(offered load {res[0]['offered_load']:.2f}, {res[0]['flows_cross_pod'] / requests:.1%} of the "
+                    "flows across pods), one process per scheme")
     for c in ("scheme", "wall s", "CPU s", "events", "events/s", "peak RSS MB", "mean FCT s", "mismatches",
               "baseline s"):
         t.add_column(c, justify="right")

@@ -76,7 +76,7 @@ def steady_and_verdict(records: Sequence[dict[str, Any]], as_json: bool) -> None
 
 def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool,
                     fig_dir: str | None = None) -> None:
-    from ark.sim.experiment import plan, run_sweep, summarize, write_results
+    from ark.sim.experiment import path_kind_summary, plan, run_sweep, summarize, write_results
     from ark.sim.report import results_markdown
 
     start_note(cfg, jobs)
@@ -104,6 +104,7 @@ def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool,
     mism = sum(r["path_mismatches"] for r in sweep.records)
     races = sum(r["races"] for r in sweep.records)
     out.print(f"path mismatches (reserved spine != switch hash): {mism}; races resolved: {races}")
+    out.print(path_kind_summary(sweep.records))
     steady_and_verdict(sweep.records, False)
     out.print("wrote: " + ", ".join(str(f) for f in files))
 

@@ -224,7 +224,7 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...] | None, seeds: st
     t = Table(title=f"testbed: {requests} requests at QPS {qps:g} (offered load {records[0]['offered_load']:.2f}), "
                     f"links {records[0]['link_mbps']:g} Mbit/s{who}")
     cols = ["scheme", "seed", "mean FCT s", "P95 FCT s", "sim mean s", "CPU busy", "errors", "flows/spine",
-            "path match", "probes", "probe agree"]
+            "path match", "probes", "probe agree"] + (["cross pod"] if st.spec.three_tier else [])
     for col in cols + (["bytes verified"] if engine == "mooncake" else []):
         t.add_column(col, justify="right")
     for r in records:
@@ -235,6 +235,8 @@ def tb_run(requests: int, qps: float, schemes: tuple[str, ...] | None, seeds: st
                f"{r['fct_p95_s']:.4f}", f"{r['sim']['fct_mean_s']:.4f}", busy, str(r["errors"]),
                str(r["flows_per_spine"]), "-" if pm is None else f"{pm:.2%} of {r['path_checked']}",
                str(r["probes_sent"]), f"{r['probe_agreement_fraction']:.4%}"]
+        if st.spec.three_tier:
+            row.append(f"{r['flows_cross_pod'] / max(1, r['requests']):.0%}")
         if engine == "mooncake":
             row.append(f"{r['bytes_verified_fraction']:.2%} ({r['flows_verified']} flows)")
         t.add_row(*row)

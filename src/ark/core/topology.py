@@ -95,6 +95,11 @@ class Link:
     kind: str  # host-up, host-down, uplink, downlink
 
 
+# Where a flow's two ends sit: under one leaf (no reservable link), under two leaves of one
+# pod (leaf -> aggregation/spine -> leaf) or in two pods (3-tier fabrics: through the core).
+PATH_KINDS = ("same-leaf", "same-pod", "cross-pod")
+
+
 @dataclass(frozen=True)
 class Fabric:
     """A 2-tier spine-leaf fabric.
@@ -215,6 +220,16 @@ class Fabric:
 
     def leaf_of(self, host: int) -> int:
         return self.hosts[host].leaf
+
+    def pod_of(self, host: int) -> int:
+        """The pod ``host`` sits in (a 2-tier fabric is one pod)."""
+        return 0
+
+    def path_kind(self, src: int, dst: int) -> str:
+        """Which tiers a flow from ``src`` to ``dst`` crosses: one of :data:`PATH_KINDS`."""
+        if self.hosts[src].leaf == self.hosts[dst].leaf:
+            return "same-leaf"
+        return "same-pod" if self.pod_of(src) == self.pod_of(dst) else "cross-pod"
 
     def uplink_bps(self, leaf: int) -> float:
         """Line rate out of ``leaf`` towards the upper tier (all its uplinks)."""

@@ -142,6 +142,7 @@ def _scale_run(args: tuple[ExperimentConfig, str]) -> dict[str, Any]:
         "events": rec["events"],
         "events_per_s": rec["events"] / wall if wall > 0 else 0.0,
         "offered_load": rec["offered_load"],
+        "flows_cross_pod": rec["flows_cross_pod"],
         "fct_mean_s": rec["fct_mean_s"],
         "fct_p95_s": rec["fct_p95_s"],
         "path_mismatches": rec["path_mismatches"],

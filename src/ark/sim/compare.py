@@ -31,6 +31,7 @@ from ark.sim.experiment import (
     RECORD_KEYS,
     RunSpec,
     Sweep,
+    path_kind_summary,
     run_sweep,
     summarize,
     write_results,
@@ -224,6 +225,7 @@ def markdown(comp: Comparison) -> str:
     cell = {(r["qps"], r["scheme"]): r for r in rows}
     lines = [
         "# Scheme comparison", "", *markdown_lines(cfg, comp.records), "",
+        path_kind_summary(comp.records) + ".", "",
         "## Mean FCT (ms) and ratio to the ideal spray", "",
         "| scheme | " + " | ".join(f"QPS {q:g}" for q in qs) + " |", "|---" * (len(qs) + 1) + "|",
     ]

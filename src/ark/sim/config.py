@@ -107,7 +107,8 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     mode: Literal["paper", "queued"] = "paper"
     gpu: Annotated[str, accepted(GPUS)] = "a100"
     tp: Count = 1
-    placement: Literal["round-robin", "random"] = "round-robin"
+    # "auto": "random" when the pools span pods (3-tier fabrics), else "round-robin"
+    placement: Literal["auto", "round-robin", "random"] = "auto"
     decode_slots: Count = 64
     prefill_base_ms: NonNegative | None = None
     prefill_per_token_ms: NonNegative | None = None

@@ -20,7 +20,7 @@ import numpy as np
 
 from ark.core.flows import FlowSpec
 from ark.core.pathmap import PathMapCache
-from ark.core.topology import Fabric
+from ark.core.topology import PATH_KINDS, Fabric
 from ark.sim.config import ExperimentConfig
 from ark.sim.engine import MAP_CACHE, FluidSim
 from ark.sim.report import about
@@ -29,7 +29,8 @@ from ark.sim.steady import RUN_KEYS, run_fields
 from ark.sim.workload import Request, ZipfWorkload, load_trace
 
 RECORD_KEYS = (
-    "scheme", "qps", "seed", "requests", "offered_load", "fct_mean_s", "fct_p50_s", "fct_p95_s",
+    "scheme", "qps", "seed", "requests", "offered_load", "flows_same_leaf", "flows_same_pod",
+    "flows_cross_pod", "fct_mean_s", "fct_p50_s", "fct_p95_s",
     "fct_p99_s", "ttft_mean_s", "ttft_p95_s", "tpot_mean_s", "max_concurrent_per_spine",
     "races", "fallbacks", "path_mismatches", "control_messages", "events", *RUN_KEYS,
 )
@@ -90,10 +91,39 @@ def workload(cfg: ExperimentConfig, qps: float, seed: int) -> list[Request]:
 
 def place(cfg: ExperimentConfig, fabric: Fabric, qps: float, seed: int) -> list[Placed]:
     """The run's requests with their GPUs and KV flows (the simulator and the testbed share it)."""
-    serving = cfg.serving.build(cfg.workload.model)
+    prefill, decode = fabric.role_hosts("prefill"), fabric.role_hosts("decode")
+    serving = cfg.serving.build(cfg.workload.model).for_fabric(len({fabric.pod_of(h) for h in prefill + decode}))
     reqs = workload(cfg, qps, seed)
     place_rng = np.random.default_rng(_seed_words(seed, qps) + [1])
-    return serving.place(reqs, fabric.role_hosts("prefill"), fabric.role_hosts("decode"), place_rng)
+    return serving.place(reqs, prefill, decode, place_rng)
+
+
+def path_kinds(fabric: Fabric, pairs: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """KV flows per path kind (same leaf, same pod, cross-pod), every kind present."""
+    out = dict.fromkeys(PATH_KINDS, 0)
+    for src, dst in pairs:
+        out[fabric.path_kind(src, dst)] += 1
+    return out
+
+
+def path_kind_keys(counts: dict[str, int]) -> dict[str, int]:
+    """``path_kinds`` as record keys: ``flows_same_leaf``, ``flows_same_pod``, ``flows_cross_pod``."""
+    return {"flows_" + k.replace("-", "_"): v for k, v in counts.items()}
+
+
+def path_kind_summary(records: Sequence[dict[str, Any]]) -> str:
+    """One line: the share of KV flows per path kind, as a range over the runs' workloads
+    (the records of one scheme: every scheme of a (QPS, seed) sees the same flows)."""
+    first = [r for r in records if r["scheme"] == records[0]["scheme"]] if records else []
+    parts = []
+    for kind in PATH_KINDS:
+        key = "flows_" + kind.replace("-", "_")
+        shares = [100 * r[key] / max(1, r["requests"]) for r in first if key in r]
+        if shares:
+            lo, hi = min(shares), max(shares)
+            parts.append(f"{kind} {lo:.1f}%" if lo == hi else f"{kind} {lo:.1f}-{hi:.1f}%")
+    return ("KV flows by path, per run: " + ", ".join(parts) + " (same-leaf: no reservable link; same-pod: "
+            "leaf, spine or aggregation switch, leaf; cross-pod: through the core)")
 
 
 def offered_load(fabric: Fabric, placed: Sequence[Placed], qps: float) -> float:
@@ -151,6 +181,7 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
         "seed": spec.seed,
         "requests": len(placed),
         "offered_load": round(load, 6),
+        **path_kind_keys(path_kinds(fabric, [(f.src, f.dst) for f in flows])),
         "fct_mean_s": float(fct.mean()),
         "fct_p50_s": _pct(fct, 50),
         "fct_p95_s": _pct(fct, 95),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
@@ -22,7 +22,12 @@ import numpy as np
 from ark.sim.workload import ModelSpec, Request, WorkloadError, model_spec
 
 MODES = ("paper", "queued")
-PLACEMENTS = ("round-robin", "random")
+# How requests meet GPUs. "round-robin": the i-th request on the i-th prefill and the i-th
+# decode GPU (the published two-server experiment); "random": each request's prefill and
+# decode GPU drawn uniformly from the whole pools, as a P/D router that pairs any prefill
+# worker with any decode worker spreads them; "auto" (the default): "random" when the
+# pools span more than one pod, else "round-robin" (see resolve_placement).
+PLACEMENTS = ("auto", "round-robin", "random")
 GPUS = ("a100", "h100")
 
 
@@ -99,7 +104,7 @@ class Serving:
     model: ModelSpec
     latency: LatencyModel
     mode: str = "paper"
-    placement: str = "round-robin"
+    placement: str = "auto"
     decode_slots: int = 64
 
     def __post_init__(self) -> None:
@@ -122,6 +127,9 @@ class Serving:
         if not prefill_gpus or not decode_gpus:
             raise WorkloadError("fabric: needs at least one prefill and one decode GPU")
         n = len(requests)
+        if self.placement == "auto":
+            raise WorkloadError("serving.placement: \"auto\" must be resolved against the fabric first "
+                                "(resolve_placement)")
         if self.placement == "round-robin":
             pg = [prefill_gpus[i % len(prefill_gpus)] for i in range(n)]
             dg = [decode_gpus[i % len(decode_gpus)] for i in range(n)]
@@ -142,6 +150,10 @@ class Serving:
                        r.prefill_tokens * self.model.kv_bytes_per_token)
             )
         return out
+
+    def for_fabric(self, pods_spanned: int) -> Serving:
+        """This serving model with ``placement = "auto"`` resolved (:func:`resolve_placement`)."""
+        return replace(self, placement=resolve_placement(self.placement, pods_spanned))
 
     def timings(self, placed: Sequence[Placed], fcts: Sequence[float]) -> list[Timing]:
         """TTFT and TPOT once the network has produced each KV flow's FCT."""
@@ -170,3 +182,17 @@ class Serving:
             )
             for i, (pl, fct) in enumerate(zip(placed, fcts, strict=True))
         ]
+
+
+def resolve_placement(placement: str, pods_spanned: int) -> str:
+    """``"auto"`` becomes ``"random"`` when the prefill and decode pools together span
+    ``pods_spanned`` > 1 pods, else ``"round-robin"``; other placements stay.
+
+    Round-robin pairs the i-th prefill GPU with the i-th decode GPU; with both pools laid
+    out pod by pod (as every 3-tier preset does) each pair then sits in one pod and no flow
+    ever crosses the core, while a real P/D router (Dynamo, llm-d, Mooncake's scheduler)
+    pairs any prefill worker with any decode worker, so that most flows cross pods.
+    """
+    if placement != "auto":
+        return placement
+    return "random" if pods_spanned > 1 else "round-robin"

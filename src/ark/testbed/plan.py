@@ -32,16 +32,15 @@ def plan_flows(st: State, requests: int, qps: float, seed: int) -> tuple[list[Fl
 def spec_flows(spec: TestbedSpec, requests: int, qps: float, seed: int) -> tuple[list[FlowSpec], float]:
     """:func:`plan_flows` from the spec alone (no live testbed needed).
 
-    On a 3-tier testbed each request's GPUs are drawn at random (a global scheduler), so
-    that flows cross pods; round-robin would pair every prefill GPU with a decode GPU of
-    its own pod.
+    The placement is the simulator's default: on a 3-tier testbed each request's GPUs are
+    drawn at random from the whole pools (a P/D router's any-to-any pairing), so that about
+    half of the flows cross pods; on two tiers the i-th prefill GPU sends to the i-th
+    decode GPU.
     """
-    from ark.sim.config import default, from_dict
+    from ark.sim.config import default
     from ark.sim.experiment import offered_load, place
 
     cfg = default().with_overrides(requests=requests)
-    if spec.three_tier:
-        cfg = from_dict({"workload": {"requests": requests}, "serving": {"placement": "random"}})
     fab = spec.fabric()
     placed = place(cfg, fab, qps, seed)
     t_first = min(p.kv_start_s for p in placed)

@@ -35,6 +35,7 @@ import numpy as np
 from ark.agent.client import ArkClient, wait_ready
 from ark.core.flows import FlowSpec
 from ark.core.node import MAX_SPLIT_PARTS
+from ark.sim.experiment import path_kind_keys, path_kinds
 from ark.testbed import engines
 from ark.testbed.capture import SpineCounters, counting
 from ark.testbed.change import fabric_change
@@ -396,6 +397,7 @@ def _record(st: State, params: RunParams, flows: list[FlowSpec], results: list[d
         "ecmp_agents": params.ecmp_agents and params.scheme == "ecmp", "qps": params.qps, "seed": params.seed, "requests": params.requests,
         "scale": st.spec.scale, "link_mbps": st.spec.link_gbps * st.spec.scale * 1e3,
         "offered_load": round(load, 4), "hash_policy": st.spec.hash_policy,
+        **path_kind_keys(path_kinds(st.spec.fabric(), [(f.src, f.dst) for f in flows])),
         "fct_mean_s": float(fct.mean()) if len(fct) else math.nan,
         "fct_p50_s": float(np.percentile(fct, 50)) if len(fct) else math.nan,
         "fct_p95_s": float(np.percentile(fct, 95)) if len(fct) else math.nan,
