@@ -72,7 +72,7 @@ def test_reproduce_writes_results_and_plots(tmp_path) -> None:
         assert (out / name).stat().st_size > 0, name
     d = json.loads((out / "results.json").read_text())
     assert len(d["records"]) == 8
-    assert d["about"]["fabric"]["oversubscription"] == [1.0] and d["about"]["fabric"]["hash"] == "murmur3-hpcc"
+    assert d["about"]["fabric"]["oversubscription"] == [2.0] and d["about"]["fabric"]["hash"] == "murmur3-hpcc"
     assert [x["qps"] for x in d["about"]["loads"]] == [5.0, 25.0]
     assert all(x["offered_load"] > 0 for x in d["about"]["loads"])
     assert "## Go or no-go" in (out / "results.md").read_text()

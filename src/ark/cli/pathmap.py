@@ -9,7 +9,7 @@ from rich.table import Table
 
 from ark.cli.common import OutFile, err, out
 from ark.core.hashing import HASH_MODELS
-from ark.core.pathmap import PathMapError, compute_buckets, parse_port_range
+from ark.core.pathmap import MAX_PATHS, PathMapError, compute_buckets, parse_port_range
 from ark.core.topology import HASH_SELECTIONS
 
 
@@ -38,6 +38,10 @@ def pathmap(
         rng = parse_port_range(port_range)
     except PathMapError as e:
         raise click.BadParameter(str(e).removeprefix("port-range: "), param_hint="--port-range") from None
+    most = min(rng[1] - rng[0] + 1, MAX_PATHS)
+    if paths > most:
+        raise click.BadParameter(f"must be 1..{most} (each path needs a source port of {rng[0]}-{rng[1]}, and a map "
+                                 f"holds at most {MAX_PATHS}); got {paths}", param_hint="--paths")
     try:
         pm = compute_buckets(hash_name, seed, src, dst, dport, paths, rng, selection, proto)
     except PathMapError as e:

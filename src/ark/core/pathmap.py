@@ -195,10 +195,8 @@ def compute_buckets(
     model = hash_model(hash_name)
     check_port_range(port_range)
     lo, hi = port_range
-    most = min(hi - lo + 1, MAX_PATHS)
-    if not 1 <= paths <= most:
-        raise PathMapError(f"paths: must be 1..{most} (each path needs a source port of {lo}-{hi}, and a map holds at "
-                           f"most {MAX_PATHS}); got {paths}")
+    if not 1 <= paths <= MAX_PATHS:
+        raise PathMapError(f"paths: must be 1..{MAX_PATHS} (a map's path index is 16 bits); got {paths}")
     if not 0 <= dport <= 0xFFFF:
         raise PathMapError(f"dport: must be 0..65535, got {dport}")
     if not 0 <= seed < 2**32:
