@@ -256,12 +256,15 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def check_sweep_size(cfg: ExperimentConfig, jobs: int, keep_flows: bool = False) -> str | None:
+def check_sweep_size(cfg: ExperimentConfig, jobs: int, keep_flows: bool = False,
+                     schemes: Sequence[str] | None = None, option: str = "--requests") -> str | None:
     """Refuse (one line naming the option) a sweep whose runs cannot fit in this machine's
-    memory; return a one-line estimate of its memory and time when it is large, else None."""
-    from ark.sim.experiment import plan
+    memory; return a one-line estimate of its memory and time when it is large, else None.
+    ``schemes``: the scheme of every run, when the sweep's runs are not ``plan(cfg)``'s;
+    ``option``: what sets the request count (a command's option, or a config key)."""
+    from ark.sim.experiment import RunSpec, plan
 
-    runs = plan(cfg)
+    runs = plan(cfg) if schemes is None else [RunSpec(s, 0.0, 0) for s in schemes]
     n = cfg.workload.requests
     workers = max(1, min(jobs, len(runs)))
     per_run = RUN_BASE_BYTES + n * BYTES_PER_REQUEST
@@ -273,7 +276,7 @@ def check_sweep_size(cfg: ExperimentConfig, jobs: int, keep_flows: bool = False)
         raise click.BadParameter(
             f"{n:,} requests per run need about {_gib(per_run + kept)} of memory ({BYTES_PER_REQUEST >> 10} KiB "
             f"each, estimated), more than the {_gib(free)} this machine has free: at most about {most:,} fit",
-            param_hint="--requests")
+            param_hint=option)
     if workers * per_run + kept > free:
         fit = max(1, (free - kept) // per_run)
         raise click.BadParameter(

@@ -54,9 +54,9 @@ def _summary_table(rows: Sequence[dict[str, Any]]) -> Table:
     return t
 
 
-def start_note(cfg: ExperimentConfig, jobs: int, keep_flows: bool = False) -> None:
+def start_note(cfg: ExperimentConfig, jobs: int, keep_flows: bool = False, option: str = "--requests") -> None:
     """Refuse a sweep that cannot fit (one line), or say what a large one will cost, before it starts."""
-    note = check_sweep_size(cfg, jobs, keep_flows)
+    note = check_sweep_size(cfg, jobs, keep_flows, option=option)
     if note:
         err.print(f"ark: {note}", highlight=False, soft_wrap=True)
 

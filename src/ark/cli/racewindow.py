@@ -13,6 +13,8 @@ from ark.cli.common import (
     FiniteRange,
     OutFolder,
     apply_sets,
+    check_sweep_size,
+    err,
     jobs_default,
     jobs_option,
     load_config,
@@ -91,7 +93,11 @@ def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | No
     pts = rw.race_points(_sweep(delays, "--delays", rw.DELAYS_US), _sweep(jitters, "--jitters", rw.JITTERS_US),
                          _sweep(skews, "--skews", rw.SKEWS_US), _sweep(queues, "--queues", rw.QUEUES_KB),
                          _sweep(rtts, "--arbiter-rtt", rw.ARBITER_RTTS_US))
-    with run_progress(len(cfg.seeds) * (1 + len(pts) * len(names)), disable=as_json) as tick:
+    runs = [s for _ in cfg.seeds for s in ("ecmp", *[n for _ in pts for n in names])]
+    note = check_sweep_size(cfg, jobs or jobs_default(), schemes=runs)
+    if note:
+        err.print(f"ark: {note}", highlight=False, soft_wrap=True)
+    with run_progress(len(runs), disable=as_json) as tick:
         rows = rw.run_race_window(cfg, pts, names, jobs or jobs_default(), tick)
     od = Path(out_dir)
     od.mkdir(parents=True, exist_ok=True)

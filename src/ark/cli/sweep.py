@@ -9,6 +9,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ark.cli.common import OutFolder, err, jobs_default, jobs_option, load_config, out
+from ark.cli.experiment import start_note
 
 
 @click.command()
@@ -28,6 +29,9 @@ def sweep(config_paths: tuple[str, ...], out_dir: str, jobs: int | None, ray_add
     from ark.sim.sweep import sweep as run_grid
 
     configs = [(Path(p).stem, load_config(p)) for p in config_paths] or [("default", load_config(None))]
+    if ray_address is None:  # local workers: each config's runs must fit this machine
+        for _, c in configs:
+            start_note(c, jobs or jobs_default(), option="workload.requests")
     total = sum(len(plan(c)) for _, c in configs)
     with Progress(TextColumn("[bold]sweeping"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=err, transient=True, disable=as_json) as prog:
