@@ -119,7 +119,7 @@ def go_line(d: dict[str, Any]) -> str:
     ci = "[—]" if math.isnan(d["change_lo"]) else f"[{d['change_lo']:+.1%}, {d['change_hi']:+.1%}]"
     tail = f"; provisional: {', '.join(d['provisional'])}" if d["provisional"] else ""
     return (f"QPS {d['qps']:g}: {'GO' if d['go'] else 'NO-GO'}: {d['scheme']} {d['change']:+.1%} mean FCT against "
-            f"ECMP {ci} ({d['seeds']} seeds, {d['level']:.0%} interval; {d['why']}){tail}")
+            f"ECMP {ci} ({d['seeds']} seed{'s' if d['seeds'] != 1 else ''}, {d['level']:.0%} interval; {d['why']}){tail}")
 
 
 def about(cfg: ExperimentConfig, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
