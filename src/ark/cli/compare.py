@@ -98,7 +98,7 @@ def _plots(comp: Any, od: Path) -> list[Path]:
     cfg = comp.cfg
     nic = cfg.fabric.build().hosts[0].nic_bps * cfg.fabric.build().efficiency / 8
     files = [plots.compare_fct(comp.records, od), plots.fct_cdf(comp.sweep.flows, od)]
-    sl = plots.slowdown(slowdown(comp.sweep, nic, detail_qps(cfg)), od)
+    sl = plots.slowdown(slowdown(comp.sweep, nic, detail_qps(cfg)), od, plots.seeds_text(comp.records))
     return files + ([sl] if sl is not None else [])
 
 

@@ -28,6 +28,12 @@ STYLE = {
 }
 
 
+def seeds_text(records: Sequence[dict[str, Any]]) -> str:
+    """``seeds 0, 1, 2`` (or ``seed 4``): which runs a figure averages or pools."""
+    seeds = sorted({int(r["seed"]) for r in records})
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
 def log_axis(ax: Any, axis: str = "y") -> None:
     """A log axis whose ticks read as plain numbers (0.2, 0.5, 1, 2, 5), never 2x10^0."""
     target = ax.yaxis if axis == "y" else ax.xaxis
@@ -90,7 +96,7 @@ def fct_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
         records,
         [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p95_s", "P95 KV-transfer FCT (s)")],
         out / "fct_vs_qps.png",
-        "KV-cache flow completion time (mean over seeds; bars: min-max)",
+        f"KV-cache flow completion time (mean over {seeds_text(records)}; bars: min-max)",
     )
 
 
@@ -99,7 +105,7 @@ def compare_fct(records: Sequence[dict[str, Any]], out: Path) -> Path:
         records,
         [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p99_s", "P99 KV-transfer FCT (s)")],
         out / "compare_fct.png",
-        "every scheme on the same workloads (mean over seeds; bars: min-max)",
+        f"every scheme on the same workloads (mean over {seeds_text(records)}; bars: min-max)",
     )
 
 
@@ -108,7 +114,7 @@ def ttft_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
         records,
         [("ttft_mean_s", "mean TTFT (s)"), ("ttft_p95_s", "P95 TTFT (s)")],
         out / "ttft_vs_qps.png",
-        "Time to first token (mean over seeds; bars: min-max)",
+        f"Time to first token (mean over {seeds_text(records)}; bars: min-max)",
     )
 
 
@@ -234,10 +240,11 @@ def fct_cdf(flows: dict[tuple[str, float, int], tuple[list[int], list[float], li
     for ax in list(axes.flat)[len(qs):]:
         ax.set_visible(False)
     legend_outside(fig, axes[0][0])
-    return _save(fig, out / "fct_cdf.png", "FCT distribution per scheme (seeds pooled)")
+    named = seeds_text([{"seed": k[2]} for k in flows])
+    return _save(fig, out / "fct_cdf.png", f"FCT distribution per scheme ({named} pooled)")
 
 
-def slowdown(rows: Sequence[dict[str, Any]], out: Path) -> Path | None:
+def slowdown(rows: Sequence[dict[str, Any]], out: Path, seeds: str = "seeds") -> Path | None:
     """Mean slowdown (FCT over size / NIC goodput) against flow size, per scheme."""
     if not rows:
         return None
@@ -255,7 +262,7 @@ def slowdown(rows: Sequence[dict[str, Any]], out: Path) -> Path | None:
     ax.set_ylabel("mean slowdown (FCT / ideal)")
     ax.grid(True, which="major", alpha=0.3)
     legend_outside(fig, ax)
-    return _save(fig, out / "slowdown.png", f"slowdown against flow size at QPS {rows[0]['qps']:g} (seeds pooled)")
+    return _save(fig, out / "slowdown.png", f"slowdown against flow size at QPS {rows[0]['qps']:g} ({seeds} pooled)")
 
 
 def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Path, placement: str) -> Path:
