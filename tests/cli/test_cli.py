@@ -70,8 +70,12 @@ def test_reproduce_writes_results_and_plots(tmp_path) -> None:
     assert "ARK vs ECMP" in p.stdout and "ark-balance" in p.stdout
     for name in ("results.json", "results.csv", "fct_vs_qps.png", "ttft_vs_qps.png", "spine_concurrency.png"):
         assert (out / name).stat().st_size > 0, name
-    recs = json.loads((out / "results.json").read_text())
-    assert len(recs) == 8
+    d = json.loads((out / "results.json").read_text())
+    assert len(d["records"]) == 8
+    assert d["about"]["fabric"]["oversubscription"] == [2.0] and d["about"]["fabric"]["hash"] == "murmur3-hpcc"
+    assert [x["qps"] for x in d["about"]["loads"]] == [5.0, 25.0]
+    assert all(x["offered_load"] > 0 for x in d["about"]["loads"])
+    assert "## Go or no-go" in (out / "results.md").read_text()
     csv_lines = (out / "results.csv").read_text().splitlines()
     assert csv_lines[0].startswith("scheme,qps,seed,requests") and len(csv_lines) == 9
     assert (out / "fct_vs_qps.png").read_bytes()[:4] == b"\x89PNG"

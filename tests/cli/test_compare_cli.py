@@ -44,10 +44,13 @@ def test_compare_writes_results_summary_and_figures(tmp_path) -> None:
     assert p.returncode == 0, p.stderr
     assert "which scheme at which load" in p.stdout and "link change: leaf0-spine1 down at 1.5 s" in p.stdout
     assert "paired over seeds: one seed, no interval" in p.stdout
+    warnings = [x for x in p.stderr.splitlines() if x.startswith("ark: warning:")]
+    assert len(warnings) == 1 and "too short to be steady at QPS 20 " in warnings[0] and "--requests" in warnings[0]
+    assert "go/no-go at QPS 20:" in p.stdout and "provisional: runs not steady, one seed" in p.stdout
     for name in ("results.json", "results.csv", "compare.json", "results.md", "compare_fct.png", "fct_cdf.png",
                  "slowdown.png"):
         assert (out / name).stat().st_size > 0, name
-    assert len(json.loads((out / "results.json").read_text())) == 8
+    assert len(json.loads((out / "results.json").read_text())["records"]) == 8
     d = json.loads((out / "compare.json").read_text())
     assert {r["scheme"] for r in d["failure"]} == {"ecmp", "letflow", "ark-split", "spray"}
     assert all(r["mismatches_after_rebuild"] == 0 for r in d["failure"])

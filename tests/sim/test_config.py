@@ -54,3 +54,25 @@ def test_bad_values_name_the_field(raw: dict, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         from_dict(raw)
     assert str(e.value) == message
+
+
+def test_oversubscription_on_a_2_tier_fabric_sets_the_link_rate() -> None:
+    from ark.sim.config import from_dict
+
+    fab = from_dict({"fabric": {"leaves": 8, "spines": 4, "gpus_per_leaf": 8, "oversubscription": 2}}).fabric.build()
+    assert fab.link_bps == 100e9 and fab.oversubscription() == (2.0,)
+    fab = from_dict({"fabric": {"leaves": 2, "spines": 4, "gpus_per_leaf": 8, "nic_gbps": 200,
+                                "oversubscription": 1.0}}).fabric.build()
+    assert fab.link_bps == 400e9 and fab.oversubscription() == (1.0,)
+    for fabric, needles in (
+        ({"leaves": 8, "oversubscription": [2.0, 1.0]}, ["fabric.oversubscription", "one number", "3-tier"]),
+        ({"leaves": 8, "link_gbps": 100, "oversubscription": 2.0}, ["fabric.oversubscription", "not both"]),
+        ({"pods": 2, "oversubscription": 2.0}, ["fabric.oversubscription", "[leaf tier, aggregation tier]"]),
+        ({"pods": 2, "oversubscription": [2.0]}, ["fabric.oversubscription", "[leaf tier, aggregation tier]"]),
+        ({"leaves": 8, "oversubscription": 0}, ["fabric.oversubscription"]),
+    ):
+        with pytest.raises(ConfigError) as e:
+            from_dict({"fabric": fabric})
+        assert all(n in str(e.value) for n in needles), (fabric, str(e.value))
+    three = from_dict({"fabric": {"pods": 2, "oversubscription": [2.0, 1.0]}}).fabric
+    assert three.three_tier and three.build().oversubscription() == (2.0, 1.0)

@@ -32,7 +32,7 @@ def test_same_seed_gives_byte_identical_results(tmp_path) -> None:
     b = write_results(tmp_path / "b", run_sweep(cfg, jobs=2), cfg)
     for x, y in zip(a, b, strict=True):
         assert x.read_bytes() == y.read_bytes(), x.name
-    recs = json.loads((tmp_path / "a" / "results.json").read_text())
+    recs = json.loads((tmp_path / "a" / "results.json").read_text())["records"]
     assert recs[0]["scheme"] == "ecmp"
 
 

@@ -73,7 +73,49 @@ class ClusterError(ConfigError):
 
 
 class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[cluster]`` table: timers, leases, limits, probing."""
+    """The ``[cluster]`` table: timers, leases, limits, probing.
+
+    Keys:
+        policy: How an agent places a lease: ``ark`` (lowest free path), ``ark-balance`` (then
+            the least reserved backlog), ``ark-split`` (one part per free path).
+        dport: The destination port whose path maps agents compute (the ECMP hash includes it).
+        port_range: The source ports an agent may hand out, ``LO-HI``.
+        lease_min_s: The shortest lease, s.
+        lease_slack: A lease lasts its flow's size at the path's rate times this (at least
+            ``lease_min_s``).
+        max_lease_s: The longest lease, s.
+        heartbeat_s: How often an agent tells its peers it is alive, s.
+        peer_timeout_s: A peer not heard this long is down and its reservations end, s (at
+            least 2 x ``heartbeat_s``).
+        sync_timeout_s: How long a restarting agent waits for its peers' snapshots, s.
+        retention_s: How long an ended flow's id is remembered (late messages about it are
+            dropped), s.
+        max_clock_offset_s: The largest clock offset between hosts that race resolution
+            tolerates, s (at most ``lease_min_s`` / 4).
+        state_dir: Where each agent keeps its incarnation counter.
+        max_flows_per_host: Reservations a peer may hold in this agent's table.
+        max_local_flows: Leases this host's engines may hold at once.
+        max_dports: Destination ports with path maps per peer.
+        split_part_bytes: A multi-path lease asked with parts = 0 gets one part per this many
+            bytes, at most one per path.
+        peer_rate: Messages per second a peer may send before the excess is dropped.
+        batch_s: Under load, peer messages are taken in batches at most this often, s.
+        max_connections: Inbound connections an agent accepts (0: 4 per host + 64).
+        scope: ``full``: every agent hears every reservation; ``declared``: an agent talks only
+            to the senders whose flows can share a link with its own (``sends_to``).
+        pathmap_dir: Where probed or saved path maps are kept (none: computed from the fabric's hash).
+        routers_file: JSON: router (spine) address -> path index, for probing.
+        probe_proto: The protocol probes use (the ECMP hash includes it): use your flows'.
+        probe_sample: Source ports probed per peer per round (0: all).
+        probe_check_s: > 0: re-probe a few ports this often and refresh the maps on a change, s.
+        takeover_s: Arbiters: a follower that hears no leader this long leads, s.
+        arbiter_rate_per_host: Requests per second a host may send an arbiter.
+        arbiter_burst_per_host: Requests a host may send an arbiter back to back.
+        control: ``broadcast``: every agent keeps a replica of the table; ``arbiter``: agents
+            ask the ``[[arbiters]]`` for every lease.
+        arbiter_timeout_s: Arbiter mode: a request unanswered this long goes to the next
+            arbiter, s.
+    """
 
     policy: Annotated[str, accepted(POLICIES)] = "ark"
     dport: Port = 4791
@@ -153,7 +195,19 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
 
 
 class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One ``[[hosts]]`` table."""
+    """One ``[[hosts]]`` table: a host and its agent.
+
+    Keys:
+        name: The host's name (``ark agent --host NAME``).
+        control: Where its agent listens for peers (management network), tcp://HOST:PORT or ipc://PATH.
+        api: Its agent's local API for this host's engines, tcp://HOST:PORT or ipc://PATH.
+        public_key: Its CURVE public key (``ark keygen`` prints it).
+        sign_key: The Ed25519 key its messages are signed with (``ark keygen`` prints it);
+            without it, what this host publishes is never taken from another host's snapshot.
+        secret_key_file: Its CURVE secret key file (default: ``--secret-key``).
+        metrics_port: A Prometheus port on 127.0.0.1 (none: no metrics server).
+        sends_to: Hosts it sends KV flows to (``scope = "declared"``).
+    """
 
     name: str
     control: str  # where this agent listens for its peers (management network)
@@ -178,7 +232,14 @@ class HostTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 
 class ArbiterTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """One ``[[arbiters]]`` table (``ark arbiter``): the first listed leads at a cold start."""
+    """One ``[[arbiters]]`` table (``ark arbiter``): the first listed leads at a cold start.
+
+    Keys:
+        name: The arbiter's name (``ark arbiter --name NAME``).
+        control: Where it listens for hosts and the other arbiters, tcp://HOST:PORT or ipc://PATH.
+        public_key: Its CURVE public key (``ark keygen``).
+        secret_key_file: Its CURVE secret key file (default: ``--secret-key``).
+    """
 
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     control: str  # where it listens for hosts and the other arbiters
@@ -193,7 +254,14 @@ class ArbiterTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 
 class ClusterFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """A whole cluster file, as written."""
+    """A whole cluster file, as written.
+
+    Keys:
+        hosts: One table per host.
+        arbiters: Arbiters, for ``control = "arbiter"``.
+        cluster: Timers, leases, limits, probing.
+        fabric: The fabric the hosts sit on.
+    """
 
     hosts: Annotated[list[HostTable], msgspec.Meta(min_length=1)]
     arbiters: Annotated[list[ArbiterTable], msgspec.Meta(max_length=16)] = msgspec.field(default_factory=list)

@@ -285,6 +285,7 @@ class Load:
     def __init__(self, run: LoopbackRun, flows: int, victims: list[str], workers: int) -> None:
         self.run, self.flows, self.victims, self.workers = run, flows, victims, workers
         self.done = 0
+        self.started = 0  # cycles claimed: exactly ``flows`` complete, whatever the workers
         self.errors: list[str] = []
         self.lock = threading.Lock()
         self.kill_at = flows // 2 if victims else None
@@ -298,19 +299,22 @@ class Load:
         r = random.Random(run.seed * 1000 + wi)
         try:
             while True:
-                with self.lock:
-                    if self.done >= self.flows:
-                        return
                 n = r.choice(mine)
                 if n in self.victims and self.kill_event.is_set() and not self.restarted.is_set():
                     time.sleep(0.01)
                     continue
-                self._cycle(n, clients, r)
+                with self.lock:
+                    if self.started >= self.flows:
+                        return
+                    self.started += 1
+                if not self._cycle(n, clients, r):
+                    with self.lock:
+                        self.started -= 1  # failed: another try takes its place
         finally:
             for c in clients.values():
                 c.close()
 
-    def _cycle(self, n: str, clients: dict[str, ArkClient], r: random.Random) -> None:
+    def _cycle(self, n: str, clients: dict[str, ArkClient], r: random.Random) -> bool:
         c = clients[n]
         try:
             lease = c.reserve(self.run.remote(n, r), r.randint(10**6, 10**9), wait_ready_s=30)
@@ -321,11 +325,12 @@ class Load:
             with self.lock:
                 self.errors.append(f"{n}: {e}")
             time.sleep(0.05)
-            return
+            return False
         with self.lock:
             self.done += 1
             if self.kill_at is not None and self.done == self.kill_at:
                 self.kill_event.set()
+        return True
 
 
 def _kill_and_restart(run: LoopbackRun, load: Load, threads: list[threading.Thread]) -> None:

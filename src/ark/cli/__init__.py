@@ -27,7 +27,7 @@ from ark.cli import (
     sweep,
     testbed,
 )
-from ark.cli.common import err
+from ark.cli.common import InOrder, err
 from ark.core.hashing import HashError
 from ark.core.pathmap import PathMapError
 from ark.core.protocol import CoreError
@@ -46,16 +46,19 @@ USER_ERRORS = (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=InOrder, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ark-fabric", prog_name="ark")
 def cli() -> None:
     """ARK: host-side path reservation for KV-cache flows on ECMP fabrics."""
 
 
+# In the order a user meets them: the experiment and the decision, path maps, agents on
+# loopback, the testbed, engines, then sweeps, deployment and benchmarks.
 for command in (
-    experiment.reproduce, experiment.simulate, pathmap.pathmap, bench.bench, agent.agent, agent.arbiter, agent.keygen,
-    agent.status, agent.ports, agent.cluster_cmd, agent.probe_cmd, testbed.testbed, integrations.preload,
-    sweep.sweep, polarisation.polarisation, compare.compare, racewindow.race_window, integrations.serve_pd,
+    experiment.reproduce, compare.compare, experiment.simulate, pathmap.pathmap, agent.cluster_cmd,
+    testbed.testbed, integrations.preload, sweep.sweep, racewindow.race_window, polarisation.polarisation,
+    agent.keygen, agent.agent, agent.arbiter, agent.status, agent.ports, agent.probe_cmd, integrations.serve_pd,
+    bench.bench,
 ):
     cli.add_command(command)
 

@@ -9,7 +9,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ark.cli.common import FiniteRange, out
+from ark.cli.common import FiniteRange, OutFolder, out
 
 
 def _cluster(path: str) -> Any:
@@ -23,9 +23,9 @@ def _daemon_options(f: Callable[..., None]) -> Callable[..., None]:
     for opt in reversed((
         click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML."),
         click.option("--secret-key", type=click.Path(dir_okay=False),
-                     help="CURVE secret key file (default: from the cluster file)."),
+                     show_default="from the cluster file", help="CURVE secret key file."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-                     show_default=True),
+                     show_default=True, help="Least severe log records written."),
     )):
         f = opt(f)
     return f
@@ -52,12 +52,18 @@ def arbiter(cluster_path: str, name: str, secret_key: str | None, log_level: str
 
 
 @click.command()
-@click.option("--out", "out_dir", default="keys", show_default=True, help="Folder for the key files.")
-@click.option("--name", required=True, help="Key name (usually the host name).")
+@click.option("--out", "out_dir", type=OutFolder(), default="keys", show_default=True,
+              help="Folder for the key files (created).")
+@click.option("--name", required=True, help="Key name (usually the host name): letters, digits, '.', '_', '-'.")
 def keygen(out_dir: str, name: str) -> None:
     """Write a CURVE key pair: NAME.key (public) and NAME.key_secret."""
+    import re
+
     from ark.agent.keys import create_keypair
 
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}", name):
+        raise click.BadParameter(f"expected 1-64 letters, digits, '.', '_' or '-' (a file name); got {name!r}",
+                                 param_hint="--name")
     kp = create_keypair(out_dir, name)
     out.print(f"public_key = \"{kp.public_key}\"\nsign_key = \"{kp.sign_key}\"\n# secret: {kp.secret_file}",
               highlight=False)
@@ -70,9 +76,9 @@ def _client_for(cluster_path: str, host: str) -> Any:
 
 
 @click.command()
-@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False))
-@click.option("--host", required=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--cluster", "cluster_path", required=True, type=click.Path(dir_okay=False), help="Cluster TOML.")
+@click.option("--host", required=True, help="The host (its name in the cluster file) whose agent to ask.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def status(cluster_path: str, host: str, as_json: bool) -> None:
     """This host's view: peers up or down, reserved links, counters."""
     from ark.agent.client import ArkClientError
@@ -103,10 +109,11 @@ def status(cluster_path: str, host: str, as_json: bool) -> None:
 
 
 @click.command()
-@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False))
-@click.option("--host", help="This host.")
-@click.option("--peer", help="Destination host.")
-@click.option("--dport", type=click.IntRange(0, 65535), default=None, help="Destination port (default: the cluster's).")
+@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False), show_default="none (needed unless --engines)",
+              help="Cluster TOML.")
+@click.option("--host", show_default="none (needed unless --engines)", help="This host.")
+@click.option("--peer", show_default="none (needed unless --engines)", help="Destination host.")
+@click.option("--dport", type=click.IntRange(0, 65535), default=None, show_default="the cluster's", help="Destination port.")
 @click.option("--engines", is_flag=True, help="Only say what each transfer engine can take (no cluster needed).")
 @click.option("--roce", is_flag=True,
               help="Per path, the ports a RoCEv2 flow label reaches (0xC000-0xFFFF) and the label of each.")
@@ -189,18 +196,18 @@ def _engine_table() -> None:
 
 
 @click.command("cluster")
-@click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)
+@click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True, help="Agent processes started.")
 @click.option("--flows", type=click.IntRange(min=1), default=5000, show_default=True, help="Reserve+release cycles.")
 @click.option("--kill", type=click.IntRange(min=0), default=0, show_default=True, help="Agents to SIGKILL halfway and restart.")
 @click.option("--lease", "lease_min_s", type=FiniteRange(min=0.1), default=1.0, show_default=True, help="Minimum lease (s).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the flows' hosts and sizes.")
 @click.option("--hog", "hogs", type=click.IntRange(0, 64), default=0, show_default=True,
               help="Busy processes beside the agents all along (an overloaded host).")
 @click.option("--control", type=click.Choice(["broadcast", "arbiter"]), default="broadcast", show_default=True,
               help="arbiter: the agents ask a primary and a standby arbiter, and the primary is SIGKILLed halfway.")
 @click.option("--takeover", "takeover_s", type=FiniteRange(min=0.1, max=60), default=1.0, show_default=True,
               help="Arbiter mode: the standby leads after this much silence (s).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: int, hogs: int, control: str,
                 takeover_s: float, as_json: bool) -> None:
     """Start N real agents on loopback, drive reserve/release cycles, report."""
@@ -228,17 +235,48 @@ def cluster_cmd(agents: int, flows: int, kill: int, lease_min_s: float, seed: in
     for k, v in res.items():
         t.add_row(k, str(v))
     out.print(t)
+    out.print(cluster_verdict(res), highlight=False, soft_wrap=True)
+
+
+# What a cluster run must show to pass, with the way each failure reads.
+_MUST = (("client_errors", 0, "client errors"), ("invalid_messages", 0, "invalid messages"),
+         ("leaked", 0, "leaked reservations"), ("digest_mismatches", 0, "digest mismatches"),
+         ("held_leases_lapsed", 0, "held leases lapsed"))
+
+
+def cluster_verdict(res: dict[str, Any]) -> str:
+    """One line: PASS or FAIL, and what the counters mean (races are expected, not faults)."""
+    bad = [f"{res[k]} {what}" for k, want, what in _MUST if k in res and res[k] != want]
+    if "digests_equal" in res and not res["digests_equal"]:
+        bad.append("tables differ at the end")
+    if res.get("killed") and res.get("dead_reservations_cleared_s") is None:
+        bad.append("the killed agents' reservations were never cleared")
+    if "flows" in res and "flows_requested" in res and res["flows"] != res["flows_requested"]:
+        bad.append(f"{res['flows']} of {res['flows_requested']} cycles done")
+    done = res.get("flows", res.get("cycles", "?"))
+    line = [f"verdict: {'FAIL: ' + ', '.join(bad) if bad else 'PASS'}: {done} reserve+release cycles through "
+            f"{res.get('agents', '?')} real agents"]
+    if "races" in res:
+        line.append(f"{res['races']} races (two agents took one path within the broadcast window; each resolved by "
+                    "(timestamp, host id), the loser re-pathed), not faults")
+    if res.get("killed"):
+        line.append(f"killed agents' reservations gone everywhere {res['dead_reservations_cleared_s']} s after the "
+                    f"kill (lease {res.get('lease_period_s')} s, then a 50 ms grace and tick)")
+    if not bad:
+        line.append("no client error, invalid message or leak; every table equal at the end")
+    return "; ".join(line)
 
 
 @click.command("probe")
-@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False), required=True)
+@click.option("--cluster", "cluster_path", type=click.Path(dir_okay=False), required=True, help="Cluster TOML.")
 @click.option("--host", required=True, help="This host's name in the cluster file.")
-@click.option("--peers", help="Comma-separated peer names (default: peers already probed, else every host behind another leaf).")
-@click.option("--routers", type=click.Path(dir_okay=False), help="JSON: router (spine) address -> path index (default: the cluster's routers_file).")
-@click.option("--sample", type=click.IntRange(min=0), help="Source ports probed per peer per round; 0: all (default: the cluster's probe_sample).")
-@click.option("--proto", type=click.Choice(["tcp", "udp"]), help="Probe with your flows' protocol: the ECMP hash includes it (default: the cluster's probe_proto).")
-@click.option("--dport", type=click.IntRange(0, 65535), help="Destination port to probe (the hash includes it; default: the cluster's dport).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--peers", show_default="peers already probed, else every host behind another leaf", help="Comma-separated peer names.")
+@click.option("--routers", type=click.Path(dir_okay=False), show_default="the cluster's routers_file", help="JSON: router (spine) address -> path index.")
+@click.option("--sample", type=click.IntRange(min=0), show_default="the cluster's probe_sample", help="Source ports probed per peer per round; 0: all.")
+@click.option("--proto", type=click.Choice(["tcp", "udp"]), show_default="the cluster's probe_proto", help="Probe with your flows' protocol: the ECMP hash includes it.")
+@click.option("--dport", type=click.IntRange(0, 65535), show_default="the cluster's dport",
+              help="Destination port to probe (the hash includes it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def probe_cmd(cluster_path: str, host: str, peers: str | None, routers: str | None, sample: int | None,
               proto: str | None, dport: int | None, as_json: bool) -> None:
     """Learn this host's path maps by TTL-limited probes and write them to the cluster's pathmap_dir."""

@@ -7,20 +7,30 @@ import json
 import click
 from rich.table import Table
 
-from ark.cli.common import FiniteRange, jobs_default, jobs_option, out, qps_list, seeds_option
+from ark.cli.common import (
+    FiniteRange,
+    InOrder,
+    OutFile,
+    jobs_default,
+    jobs_option,
+    out,
+    qps_list,
+    schemes_opt,
+    seeds_option,
+)
 from ark.core.hashing import HASH_MODELS
 from ark.sim import config as cfgmod
-from ark.sim.engine import SCHEMES
 
 
-@click.group()
+@click.group(cls=InOrder)
 def bench() -> None:
     """Benchmarks that print figures (and JSON with --json)."""
 
 
 @bench.command("controller")
-@click.option("--hash", "hash_name", type=click.Choice(list(HASH_MODELS)), default="murmur3-hpcc", show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--hash", "hash_name", type=click.Choice(list(HASH_MODELS)), default="murmur3-hpcc", show_default=True,
+              help="Switch hash model whose costs to measure.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_controller(hash_name: str, as_json: bool) -> None:
     """Precompute, hashing, path selection and reserve-decision costs vs the paper."""
     from ark.sim.bench import controller
@@ -47,11 +57,11 @@ def bench_controller(hash_name: str, as_json: bool) -> None:
 
 
 @bench.command("reproduce")
-@click.option("--qps", "qps", help="Comma-separated loads (default: the paper's 7).")
-@click.option("--requests", type=click.IntRange(min=1))
-@click.option("--seeds")
+@click.option("--qps", "qps", show_default="the paper's 7", help="Comma-separated loads.")
+@click.option("--requests", type=click.IntRange(min=1), show_default="1000", help="Requests per run.")
+@click.option("--seeds", show_default="3", help="Seed count N or a list like 0,4,7.")
 @jobs_option()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jobs: int | None, as_json: bool) -> None:
     """Wall time and simulator events/s of the default `ark reproduce` sweep (no files)."""
     from ark.sim.bench import reproduce as bench_rep
@@ -70,7 +80,7 @@ def bench_reproduce(qps: str | None, requests: int | None, seeds: str | None, jo
 
 @bench.command("compare")
 @jobs_option()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_compare(jobs: int | None, as_json: bool) -> None:
     """Wall time of `ark compare` on the default config (no files), against `ark reproduce`
     measured right after it on the same machine."""
@@ -88,13 +98,12 @@ def bench_compare(jobs: int | None, as_json: bool) -> None:
 
 
 @bench.command("scale")
-@click.option("--scheme", "schemes", multiple=True, type=click.Choice(list(SCHEMES)),
-              help="Repeat for several (default: ark).")
-@click.option("--requests", type=click.IntRange(min=1), default=100_000, show_default=True)
+@schemes_opt("ark")
+@click.option("--requests", type=click.IntRange(min=1), default=100_000, show_default=True, help="Requests per run.")
 @click.option("--qps", type=FiniteRange(min=0, min_open=True), default=None,
-              help="Arrival rate (default: 1400, offered load about 0.76).")
-@click.option("--json", "as_json", is_flag=True)
-def bench_scale(schemes: tuple[str, ...], requests: int, qps: float | None, as_json: bool) -> None:
+              show_default="1400, offered load about 0.76", help="Arrival rate.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
+def bench_scale(schemes: tuple[str, ...] | None, requests: int, qps: float | None, as_json: bool) -> None:
     """1,024 GPUs (the 3-tier `scale` fabric): wall time, events/s and peak memory per scheme."""
     from ark.sim.bench import SCALE_QPS
     from ark.sim.bench import scale as bench_sc
@@ -118,10 +127,10 @@ def bench_scale(schemes: tuple[str, ...], requests: int, qps: float | None, as_j
               "run (ECMP, QPS 25) measured just before, to read the figures against the machine's load")
 
 @bench.command("idle")
-@click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True)
-@click.option("--seconds", type=FiniteRange(min=1), default=60.0, show_default=True)
+@click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True, help="Agent processes started.")
+@click.option("--seconds", type=FiniteRange(min=1), default=60.0, show_default=True, help="How long to measure.")
 @click.option("--heartbeat", type=FiniteRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_idle(agents: int, seconds: float, heartbeat: float, as_json: bool) -> None:
     """CPU of idle agents on loopback (no flows): what heartbeats and timers cost."""
     from ark.agent.bench import idle_cpu
@@ -143,9 +152,9 @@ def _print_json_or_line(res: dict[str, object], as_json: bool, line: str) -> Non
 
 @bench.command("flood")
 @click.option("--rate", type=FiniteRange(min=1), default=10_000, show_default=True, help="Hostile messages/s from one peer.")
-@click.option("--seconds", type=FiniteRange(min=1), default=10.0, show_default=True)
+@click.option("--seconds", type=FiniteRange(min=1), default=10.0, show_default=True, help="How long to measure.")
 @click.option("--peer-rate", type=FiniteRange(min=10), default=2000.0, show_default=True, help="The agents' peer_rate.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_flood(rate: float, seconds: float, peer_rate: float, as_json: bool) -> None:
     """A listed peer floods an agent with hostile messages; local API latency meanwhile."""
     from ark.agent.bench import flood
@@ -158,13 +167,13 @@ def bench_flood(rate: float, seconds: float, peer_rate: float, as_json: bool) ->
 
 
 @bench.command("churn")
-@click.option("--seconds", type=FiniteRange(min=1), default=60.0, show_default=True)
+@click.option("--seconds", type=FiniteRange(min=1), default=60.0, show_default=True, help="How long to measure.")
 @click.option("--max-flows-per-host", type=click.IntRange(16, 1 << 20), default=4096, show_default=True,
               help="The cluster's max_flows_per_host.")
 @click.option("--retention", type=FiniteRange(min=1, max=3600), default=5.0, show_default=True, help="retention_s (s).")
 @click.option("--peer-rate", type=FiniteRange(min=10, max=1e7), default=2000.0, show_default=True,
               help="The agents' peer_rate.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_churn(seconds: float, max_flows_per_host: int, retention: float, peer_rate: float, as_json: bool) -> None:
     """One engine reserving and releasing back to back on a real 2-agent cluster: sustained
     cycles/s, refusals and plain-ECMP leases (by reason)."""
@@ -180,8 +189,8 @@ def bench_churn(seconds: float, max_flows_per_host: int, retention: float, peer_
 
 
 @bench.command("hostile")
-@click.option("--messages", type=click.IntRange(min=6), default=1_000_000, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--messages", type=click.IntRange(min=6), default=1_000_000, show_default=True, help="Hostile messages sent.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_hostile(messages: int, as_json: bool) -> None:
     """A listed peer sends hostile messages of every kind as fast as it can: agent memory."""
     from ark.agent.bench import hostile_memory
@@ -193,11 +202,11 @@ def bench_hostile(messages: int, as_json: bool) -> None:
 
 
 @bench.command("unauth")
-@click.option("--announce-mb", type=click.IntRange(min=1), default=200, show_default=True)
-@click.option("--connections", type=click.IntRange(min=0), default=3, show_default=True)
-@click.option("--idle", type=click.IntRange(min=0), default=1100, show_default=True)
-@click.option("--fd-limit", type=click.IntRange(min=64), default=1024, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--announce-mb", type=click.IntRange(min=1), default=200, show_default=True, help="MB of oversized handshake frames sent.")
+@click.option("--connections", type=click.IntRange(min=0), default=3, show_default=True, help="Connections that send them.")
+@click.option("--idle", type=click.IntRange(min=0), default=1100, show_default=True, help="Idle connections opened then.")
+@click.option("--fd-limit", type=click.IntRange(min=64), default=1024, show_default=True, help="The agent's file descriptor limit.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_unauth(announce_mb: int, connections: int, idle: int, fd_limit: int, as_json: bool) -> None:
     """Strangers without keys: huge handshake frames, then idle connections under a descriptor limit."""
     from ark.agent.bench import unauthenticated
@@ -209,11 +218,11 @@ def bench_unauth(announce_mb: int, connections: int, idle: int, fd_limit: int, a
 
 
 @bench.command("agent")
-@click.option("--messages", type=click.IntRange(min=100), default=40_000, show_default=True)
+@click.option("--messages", type=click.IntRange(min=100), default=40_000, show_default=True, help="Messages the peer sends.")
 @click.option("--rate", type=FiniteRange(min=10), default=5000.0, show_default=True, help="Messages/s the peer sends.")
 @click.option("--burst", type=click.IntRange(min=1), default=100, show_default=True,
               help="Messages sent back to back between pauses (1: each one wakes the agent).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_agent(messages: int, rate: float, burst: int, as_json: bool) -> None:
     """CPU an agent spends per message it receives (valid reserve/release from one peer)."""
     from ark.agent.bench import per_message
@@ -226,9 +235,9 @@ def bench_agent(messages: int, rate: float, burst: int, as_json: bool) -> None:
 
 
 @bench.command("transport")
-@click.option("--messages", type=click.IntRange(min=100), default=15_000, show_default=True)
+@click.option("--messages", type=click.IntRange(min=100), default=15_000, show_default=True, help="Messages the peer sends.")
 @click.option("--rate", type=FiniteRange(min=10), default=1500.0, show_default=True, help="Messages/s the peer sends.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_transport(messages: int, rate: float, as_json: bool) -> None:
     """ZeroMQ with CURVE, one message per wakeup, no work: the floor under every agent figure."""
     from ark.agent.bench import transport_floor
@@ -242,11 +251,12 @@ def bench_transport(messages: int, rate: float, as_json: bool) -> None:
 @click.option("--rates", default="2000,5000,10000,15000,20000,30000,40000", show_default=True,
               help="Offered decisions/s, comma-separated (the sweep stops at the first not sustained).")
 @click.option("--seconds", type=FiniteRange(min=0.5, max=600), default=3.0, show_default=True, help="Per rate.")
-@click.option("--hosts", type=click.IntRange(min=4, max=512), default=64, show_default=True)
-@click.option("--policy", type=click.Choice(["ark", "ark-balance", "ark-split"]), default="ark", show_default=True)
+@click.option("--hosts", type=click.IntRange(min=4, max=512), default=64, show_default=True, help="Hosts the load comes from.")
+@click.option("--policy", type=click.Choice(["ark", "ark-balance", "ark-split"]), default="ark", show_default=True,
+              help="The arbiter's placement policy.")
 @click.option("--takeover", "takeover_trials", type=click.IntRange(min=0, max=100), default=0, show_default=True,
               help="Instead: SIGKILL a primary under a standby this many times; how long no arbiter answers.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_arbiter(rates: str, seconds: float, hosts: int, policy: str, takeover_trials: int, as_json: bool) -> None:
     """One real arbiter process under an open-loop load over ZeroMQ with CURVE: decisions/s, grant latency, CPU."""
     from ark.agent.arbiter_bench import arbiter_bench, takeover
@@ -285,20 +295,20 @@ def bench_arbiter(rates: str, seconds: float, hosts: int, policy: str, takeover_
 @bench.command("control-plane")
 @click.option("--hosts", "hosts_csv", default="16,256,1024,4096", show_default=True,
               help="Comma-separated cluster sizes: 16 or multiples of 128.")
-@click.option("--placement", "placements", multiple=True, type=click.Choice(["paired", "cross-pod", "any"]),
+@click.option("--placement", "placements", multiple=True, show_default="all three", type=click.Choice(["paired", "cross-pod", "any"]),
               help="Who sends to whom (repeat; default: all three).")
 @click.option("--flows", type=click.IntRange(100, 10**6), default=2000, show_default=True,
               help="Simulated flows per size and placement.")
 @click.option("--heartbeat", type=FiniteRange(min=0.01), default=0.25, show_default=True, help="heartbeat_s (s).")
 @click.option("--measure/--no-measure", default=True, show_default=True,
               help="Measure the agent's costs first (about a minute); else use --cost or the built-in figures.")
-@click.option("--cost", "cost_json", type=click.Path(exists=True, dir_okay=False),
+@click.option("--cost", "cost_json", type=click.Path(exists=True, dir_okay=False), show_default="none",
               help="A JSON file of AgentCost terms (the 'cost' object of an earlier --json run).")
-@click.option("--arbiter-cost", "arbiter_cost_json", type=click.Path(exists=True, dir_okay=False),
+@click.option("--arbiter-cost", "arbiter_cost_json", type=click.Path(exists=True, dir_okay=False), show_default="none",
               help="A JSON file of ArbiterCost terms (per_request_us, per_keepalive_us, per_replica_copy_us, "
                    "base_percent); default: the built-in provisional figures.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Write the figure here (PNG).")
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--plot", "plot_path", type=OutFile(), show_default="none", help="Write the figure here (PNG).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_control_plane(hosts_csv: str, placements: tuple[str, ...], flows: int, heartbeat: float, measure: bool,
                         cost_json: str | None, arbiter_cost_json: str | None, plot_path: str | None,
                         as_json: bool) -> None:
@@ -317,8 +327,8 @@ def bench_control_plane(hosts_csv: str, placements: tuple[str, ...], flows: int,
 
 @bench.command("steer")
 @click.option("--connections", type=click.IntRange(1, 2000), default=2000, show_default=True, help="Connections per mode and round.")
-@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True, help="Rounds; figures are their medians.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_steer(connections: int, rounds: int, as_json: bool) -> None:
     """Per-connection cost of the connect() interposer that steers transfer engines."""
     from ark.integrations.steerbench import bench as steer_bench
@@ -340,8 +350,8 @@ def bench_steer(connections: int, rounds: int, as_json: bool) -> None:
 
 @bench.command("verbs")
 @click.option("--calls", type=click.IntRange(1, 4000), default=2000, show_default=True, help="QP connects per mode and round.")
-@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--rounds", type=click.IntRange(1, 20), default=3, show_default=True, help="Rounds; figures are their medians.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def bench_verbs(calls: int, rounds: int, as_json: bool) -> None:
     """Per-QP cost of the verbs interposer (ibv_modify_qp INIT -> RTR, against a stand-in libibverbs)."""
     from ark.integrations.verbsbench import bench as verbs_bench

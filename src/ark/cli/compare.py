@@ -12,16 +12,17 @@ import click
 from rich.table import Table
 
 from ark.cli.common import (
+    OutFolder,
     jobs_default,
     jobs_option,
     load_config,
     out,
     qps_list,
     run_progress,
-    schemes_option,
+    schemes_opt,
     seeds_option,
 )
-from ark.sim.engine import SCHEMES
+from ark.cli.experiment import start_note, steady_and_verdict
 from ark.sim.failure import parse_link_change
 
 
@@ -97,26 +98,29 @@ def _plots(comp: Any, od: Path) -> list[Path]:
     cfg = comp.cfg
     nic = cfg.fabric.build().hosts[0].nic_bps * cfg.fabric.build().efficiency / 8
     files = [plots.compare_fct(comp.records, od), plots.fct_cdf(comp.sweep.flows, od)]
-    sl = plots.slowdown(slowdown(comp.sweep, nic, detail_qps(cfg)), od)
+    sl = plots.slowdown(slowdown(comp.sweep, nic, detail_qps(cfg)), od, plots.seeds_text(comp.records))
     return files + ([sl] if sl is not None else [])
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (default: the paper's setup).")
-@click.option("--set", "sets", multiple=True, metavar="TABLE.KEY=VALUE",
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), show_default="the paper's setup",
+              help="TOML config.")
+@click.option("--set", "sets", multiple=True, metavar="TABLE.KEY=VALUE", show_default="none",
               help="Override one config value, e.g. serving.kv_transfer=per-layer or params.split.parts=2 (repeat).")
-@click.option("--schemes", help=f"Comma-separated subset of {','.join(SCHEMES)} (default: all of them).")
-@click.option("--fail-link", "fail_link", metavar="L:S@T[:FRACTION]",
+@schemes_opt("every scheme the fabric can run")
+@click.option("--fail-link", "fail_link", metavar="L:S@T[:FRACTION]", show_default="none",
               help="Link leaf L - spine S fails at T seconds (or drops to FRACTION of its rate).")
-@click.option("--qps", "qps", help="Comma-separated loads (default: the config's).")
-@click.option("--requests", type=click.IntRange(min=1), help="Requests per run.")
-@click.option("--seeds", help="Seed count N or a list like 0,4,7.")
-@click.option("--out", "out_dir", default="ark-compare", show_default=True, help="Output folder.")
+@click.option("--qps", "qps", show_default="the config's", help="Comma-separated loads (requests per second).")
+@click.option("--requests", type=click.IntRange(min=1), show_default="the config's",
+              help="Requests per run (a run too short to be steady is named, with a count that would do).")
+@click.option("--seeds", show_default="the config's", help="Seed count N (seeds 0..N-1) or a list like 0,4,7.")
+@click.option("--out", "out_dir", type=OutFolder(), default="ark-compare", show_default=True,
+              help="Output folder (created).")
 @jobs_option()
 @click.option("--no-plots", is_flag=True, help="Skip the PNG figures.")
-@click.option("--figures", "fig_dir", type=click.Path(file_okay=False), help="Write the figures here (default: --out).")
+@click.option("--figures", "fig_dir", type=OutFolder(), show_default="--out", help="Write the figures here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the tables as JSON.")
-def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None, fail_link: str | None,
+def compare(config_path: str | None, sets: tuple[str, ...], schemes: tuple[str, ...] | None, fail_link: str | None,
             qps: str | None, requests: int | None, seeds: str | None, out_dir: str, jobs: int | None, no_plots: bool,
             fig_dir: str | None, as_json: bool) -> None:
     """Every baseline, ARK policy and the ideal spray on the same workloads: FCT tables,
@@ -124,13 +128,14 @@ def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None,
     from ark.sim.compare import compare_config, run_compare, write_compare
 
     if no_plots and fig_dir:
-        raise click.BadParameter("--figures: there are none to write with --no-plots", param_hint="--figures")
+        raise click.BadParameter("there are none to write with --no-plots", param_hint="--figures")
     from ark.sim.experiment import plan
 
     cfg = load_config(config_path, sets).with_overrides(
         qps=qps_list(qps), requests=requests, seeds=seeds_option(seeds),
         failure=parse_link_change(fail_link) if fail_link else None)
-    cfg = compare_config(cfg, schemes_option(schemes))
+    cfg = compare_config(cfg, schemes)
+    start_note(cfg, jobs or jobs_default(), keep_flows=True)
     with run_progress(len(plan(cfg)), disable=as_json) as tick:
         comp = run_compare(cfg, jobs or jobs_default(), tick)
     files = write_compare(out_dir, comp)
@@ -140,6 +145,7 @@ def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None,
         files += _plots(comp, fd)
     rows, dec, fail, pairs = comp.summary, comp.decisions, comp.failure, comp.paired
     if as_json:
+        steady_and_verdict(comp.records, True)
         click.echo(json.dumps({"summary": rows, "decisions": dec, "failure": fail, "paired": pairs,
                                "files": [str(f) for f in files]}, indent=1))
         return
@@ -152,4 +158,5 @@ def compare(config_path: str | None, sets: tuple[str, ...], schemes: str | None,
         out.print(paired_rich(pairs))
     elif pairs:
         out.print("paired over seeds: one seed, no interval (--seeds N; about 10 or more for a useful one)")
+    steady_and_verdict(comp.records, False)
     out.print("wrote: " + ", ".join(str(f) for f in files))

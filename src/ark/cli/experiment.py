@@ -11,13 +11,16 @@ import click
 from rich.table import Table
 
 from ark.cli.common import (
+    OutFolder,
+    check_sweep_size,
+    err,
     jobs_default,
     jobs_option,
     load_config,
     out,
     qps_list,
     run_progress,
-    schemes_option,
+    schemes_opt,
     seeds_option,
 )
 from ark.sim.config import ExperimentConfig
@@ -51,23 +54,50 @@ def _summary_table(rows: Sequence[dict[str, Any]]) -> Table:
     return t
 
 
-def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool) -> None:
-    from ark.sim.experiment import path_kind_summary, plan, run_sweep, summarize, write_results
+def start_note(cfg: ExperimentConfig, jobs: int, keep_flows: bool = False, option: str = "--requests") -> None:
+    """Refuse a sweep that cannot fit (one line), or say what a large one will cost, before it starts."""
+    note = check_sweep_size(cfg, jobs, keep_flows, option=option)
+    if note:
+        err.print(f"ark: {note}", highlight=False, soft_wrap=True)
 
+
+def steady_and_verdict(records: Sequence[dict[str, Any]], as_json: bool) -> None:
+    """The steady-state warning (stderr, one line) and, unless JSON, the go/no-go lines."""
+    from ark.sim.report import go_line, go_no_go
+    from ark.sim.steady import check, warning
+
+    warn = warning(check(records))
+    if warn:
+        err.print(f"ark: warning: {warn}", highlight=False, soft_wrap=True)
+    if not as_json:
+        for d in go_no_go(records):
+            out.print(f"go/no-go at {go_line(d)}", highlight=False, soft_wrap=True)
+
+
+def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool, as_json: bool,
+                    fig_dir: str | None = None) -> None:
+    from ark.sim.experiment import path_kind_summary, plan, run_sweep, summarize, write_results
+    from ark.sim.report import results_markdown
+
+    start_note(cfg, jobs)
     with run_progress(len(plan(cfg)), disable=as_json) as tick:
         sweep = run_sweep(cfg, jobs=jobs, progress=tick)
     files = write_results(out_dir, sweep, cfg)
     summary = summarize(sweep.records)
+    md = Path(out_dir) / "results.md"
+    md.write_text(results_markdown(cfg, sweep.records, summary))
+    files.append(md)
     if plots:
         from ark.cli import plots as plotmod
 
-        od = Path(out_dir)
+        od = Path(fig_dir or out_dir)
         files.append(plotmod.fct_vs_qps(sweep.records, od))
         files.append(plotmod.ttft_vs_qps(sweep.records, od))
-        p = plotmod.spine_concurrency(sweep.timelines, sweep.timeline_qps, od)
+        p = plotmod.spine_concurrency(sweep.timelines, sweep.timeline_qps, od, cfg.seeds[0], cfg.seeds)
         if p is not None:
             files.append(p)
     if as_json:
+        steady_and_verdict(sweep.records, True)
         click.echo(json.dumps({"summary": summary, "files": [str(f) for f in files]}, indent=1))
         return
     out.print(_summary_table(summary))
@@ -75,6 +105,7 @@ def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool,
     races = sum(r["races"] for r in sweep.records)
     out.print(f"path mismatches (reserved spine != switch hash): {mism}; races resolved: {races}")
     out.print(path_kind_summary(sweep.records))
+    steady_and_verdict(sweep.records, False)
     out.print("wrote: " + ", ".join(str(f) for f in files))
 
 
@@ -82,29 +113,37 @@ def _run_and_report(cfg: ExperimentConfig, out_dir: str, jobs: int, plots: bool,
 # commands
 # ---------------------------------------------------------------------------------------
 @click.command()
-@click.option("--qps", "qps", help="Comma-separated loads, e.g. 1,5,10 (default: 1,5,10,15,20,25,30).")
-@click.option("--requests", type=click.IntRange(min=1), help="Requests per run (default 1000).")
-@click.option("--seeds", help="Seed count N (seeds 0..N-1) or a list like 0,4,7 (default 3).")
-@click.option("--schemes", help=f"Comma-separated subset of {','.join(SCHEMES)}.")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (default: the paper's setup).")
-@click.option("--out", "out_dir", default="ark-results", show_default=True, help="Output folder.")
+@click.option("--qps", "qps", show_default="the config's: 1,5,10,15,20,25,30",
+              help="Comma-separated loads (requests per second), e.g. 1,5,10.")
+@click.option("--requests", type=click.IntRange(min=1), show_default="the config's: 1000",
+              help="Requests per run (a run too short to be steady is named, with a count that would do).")
+@click.option("--seeds", show_default="the config's: 3", help="Seed count N (seeds 0..N-1) or a list like 0,4,7.")
+@schemes_opt("the config's: ecmp,ark,ark-balance,spray")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), show_default="the paper's setup",
+              help="TOML config.")
+@click.option("--out", "out_dir", type=OutFolder(), default="ark-results", show_default=True,
+              help="Output folder (created).")
 @jobs_option()
 @click.option("--no-plots", is_flag=True, help="Skip the PNG figures.")
+@click.option("--figures", "fig_dir", type=OutFolder(), show_default="--out", help="Write the figures here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON instead of a table.")
 def reproduce(
-    qps: str | None, requests: int | None, seeds: str | None, schemes: str | None,
-    config_path: str | None, out_dir: str, jobs: int | None, no_plots: bool, as_json: bool,
+    qps: str | None, requests: int | None, seeds: str | None, schemes: tuple[str, ...] | None,
+    config_path: str | None, out_dir: str, jobs: int | None, no_plots: bool, fig_dir: str | None, as_json: bool,
 ) -> None:
     """Reproduce the published ECMP-vs-ARK experiment (FCT and TTFT over QPS)."""
     cfg = load_config(config_path).with_overrides(
-        qps=qps_list(qps), requests=requests, seeds=seeds_option(seeds), schemes=schemes_option(schemes)
+        qps=qps_list(qps), requests=requests, seeds=seeds_option(seeds), schemes=schemes
     )
-    _run_and_report(cfg, out_dir, jobs or jobs_default(), not no_plots, as_json)
+    if no_plots and fig_dir:
+        raise click.BadParameter("there are none to write with --no-plots", param_hint="--figures")
+    _run_and_report(cfg, out_dir, jobs or jobs_default(), not no_plots, as_json, fig_dir)
 
 
 @click.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), required=True, help="TOML scenario.")
-@click.option("--out", "out_dir", default="ark-results", show_default=True, help="Output folder.")
+@click.option("--out", "out_dir", type=OutFolder(), default="ark-results", show_default=True,
+              help="Output folder (created).")
 @jobs_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def simulate(config_path: str, out_dir: str, jobs: int | None, as_json: bool) -> None:

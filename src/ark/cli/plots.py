@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib import ticker
 
 STYLE = {
     "ecmp": dict(color="#d62728", marker="o", label="ECMP"),
@@ -25,6 +26,37 @@ STYLE = {
     "hedera": dict(color="#bcbd22", marker="X", linestyle="-.", label="Hedera"),
     "oracle-path": dict(color="#000000", marker=".", linestyle=":", label="single-path oracle"),
 }
+
+
+def seeds_text(records: Sequence[dict[str, Any]]) -> str:
+    """``seeds 0, 1, 2`` (or ``seed 4``): which runs a figure averages or pools."""
+    seeds = sorted({int(r["seed"]) for r in records})
+    return ("seed " if len(seeds) == 1 else "seeds ") + ", ".join(map(str, seeds))
+
+
+def log_axis(ax: Any, axis: str = "y") -> None:
+    """A log axis whose ticks read as plain numbers (0.2, 0.5, 1, 2, 5), never 2x10^0."""
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+    lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()  # call once the data are drawn
+    wide = lo > 0 and np.log10(hi / lo) > 2.5  # 1, 2, 5 per decade would crowd: 1 per decade
+    target.set_major_locator(ticker.LogLocator(base=10, subs=(1.0,) if wide else (1.0, 2.0, 5.0), numticks=12))
+    target.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_formatter(ticker.NullFormatter())
+
+
+def legend_outside(fig: Any, ax: Any, ncol: int = 1) -> None:
+    """The legend in a column right of the plots, off the data."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=8, ncol=ncol)
+
+
+def _dodge(qs: Sequence[float], i: int, k: int) -> list[float]:
+    """x positions of the i-th of k series, spread by a small share of the closest QPS gap, so
+    that schemes with equal values do not hide one another."""
+    gaps = np.diff(sorted(set(qs)))
+    step = 0.5 * float(gaps.min()) / max(k, 1) if len(gaps) else 0.1
+    return [q + (i - (k - 1) / 2) * step for q in qs]
 
 
 def _series(records: Sequence[dict[str, Any]], scheme: str, metric: str) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -44,16 +76,18 @@ def _metric_figure(records: Sequence[dict[str, Any]], metrics: Sequence[tuple[st
     schemes += sorted({r["scheme"] for r in records} - set(schemes))
     fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.8), squeeze=False)
     for ax, (metric, label) in zip(axes[0], metrics, strict=True):
-        for s in schemes:
+        for i, s in enumerate(schemes):
             qs, mean, lo, hi = _series(records, s, metric)
             st = _style(s)
             err = np.array([np.subtract(mean, lo), np.subtract(hi, mean)])
-            ax.errorbar(qs, mean, yerr=err, capsize=3, linewidth=1.6, markersize=5, **st)
+            # Hollow markers, dodged sideways: a scheme equal to another stays visible.
+            ax.errorbar(_dodge(qs, i, len(schemes)), mean, yerr=err, capsize=2, linewidth=1.3, markersize=5,
+                        markerfacecolor="none", markeredgewidth=1.2, **st)
         ax.set_xlabel("load (QPS)")
         ax.set_ylabel(label)
-        ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(frameon=False)
+        log_axis(ax)
+        ax.grid(True, which="major", alpha=0.3)
+    legend_outside(fig, axes[0][0])
     return _save(fig, path, title, dpi=150)
 
 
@@ -62,7 +96,7 @@ def fct_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
         records,
         [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p95_s", "P95 KV-transfer FCT (s)")],
         out / "fct_vs_qps.png",
-        "KV-cache flow completion time (mean over seeds; bars: min-max)",
+        f"KV-cache flow completion time (mean over {seeds_text(records)}; bars: min-max)",
     )
 
 
@@ -71,7 +105,7 @@ def compare_fct(records: Sequence[dict[str, Any]], out: Path) -> Path:
         records,
         [("fct_mean_s", "mean KV-transfer FCT (s)"), ("fct_p99_s", "P99 KV-transfer FCT (s)")],
         out / "compare_fct.png",
-        "every scheme on the same workloads (mean over seeds; bars: min-max)",
+        f"every scheme on the same workloads (mean over {seeds_text(records)}; bars: min-max)",
     )
 
 
@@ -80,11 +114,14 @@ def ttft_vs_qps(records: Sequence[dict[str, Any]], out: Path) -> Path:
         records,
         [("ttft_mean_s", "mean TTFT (s)"), ("ttft_p95_s", "P95 TTFT (s)")],
         out / "ttft_vs_qps.png",
-        "Time to first token (mean over seeds; bars: min-max)",
+        f"Time to first token (mean over {seeds_text(records)}; bars: min-max)",
     )
 
 
-def spine_concurrency(timelines: dict[str, list[tuple[float, tuple[int, ...]]]], qps: float | None, out: Path) -> Path | None:
+def spine_concurrency(timelines: dict[str, list[tuple[float, tuple[int, ...]]]], qps: float | None, out: Path,
+                      seed: int = 0, seeds: Sequence[int] = (0,)) -> Path | None:
+    """Concurrent KV flows on each spine (numbered from 0, as the CLI and the records do) over
+    one run per scheme: the first seed's, named in the title."""
     shown = [s for s in ("ecmp", "ark", "ark-balance") if s in timelines]
     if not shown:
         return None
@@ -97,16 +134,20 @@ def spine_concurrency(timelines: dict[str, list[tuple[float, tuple[int, ...]]]],
         t = np.array([p[0] for p in tl])
         c = np.array([p[1] for p in tl])
         for k in range(c.shape[1]):
-            ax.step(t, c[:, k], where="post", linewidth=0.9, color=colors(k), label=f"spine {k + 1}")
+            ax.step(t, c[:, k], where="post", linewidth=0.9, color=colors(k), label=f"spine {k}")
         ax.set_ylabel("concurrent flows")
-        ax.set_title(f"{STYLE.get(s, {}).get('label', s)}: max per spine {c.max(axis=0).tolist()}", fontsize=10)
+        peak = ", ".join(map(str, c.max(axis=0).tolist()))
+        ax.set_title(f"{STYLE.get(s, {}).get('label', s)}: max per spine (0..{c.shape[1] - 1}) {peak}", fontsize=10)
         ax.grid(True, alpha=0.3)
-    axes[0, 0].legend(ncol=4, frameon=False, fontsize=8, loc="upper left")
+    legend_outside(fig, axes[0, 0])
     axes[-1, 0].set_xlabel("time (s)")
-    fig.suptitle(f"KV flows on each spine over time at QPS {qps:g}" if qps is not None else "KV flows per spine")
+    others = [x for x in seeds if x != seed]
+    more = f"; the records' max_concurrent_per_spine is the max over seeds {', '.join(map(str, seeds))}" if others else ""
+    where = f" at QPS {qps:g}" if qps is not None else ""
+    fig.suptitle(f"KV flows on each spine over time{where}, seed {seed}{more}", fontsize=10)
     fig.tight_layout()
     path = out / "spine_concurrency.png"
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -121,16 +162,17 @@ def polarisation(rows: Sequence[dict[str, Any]], out: Path) -> Path:
                 rs = sorted((r for r in rows if r["fabric"] == fabric and r["scheme"] == scheme), key=lambda r: r["qps"])
                 st = dict(STYLE[scheme])
                 st.update(linestyle=dash, label=f"{st['label']}, {fabric}")
-                ax.plot([r["qps"] for r in rs], [r[metric] for r in rs], linewidth=1.6, markersize=5, **st)
+                ax.plot([r["qps"] for r in rs], [r[metric] for r in rs], linewidth=1.6, markersize=5,
+                        markerfacecolor="none", **st)
         ax.set_xlabel("load (QPS)")
         ax.set_ylabel(label)
-        ax.set_yscale("log")
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(frameon=False, fontsize=8)
+        log_axis(ax)
+        ax.grid(True, which="major", alpha=0.3)
+    legend_outside(fig, axes[0][0])
     fig.suptitle("3-tier Clos, 16 paths between pods: one hash and seed everywhere leaves 4 reachable")
     fig.tight_layout()
     path = out / "polarisation.png"
-    fig.savefig(path, dpi=150)
+    fig.savefig(path, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return path
 
@@ -150,14 +192,15 @@ def control_plane(rows: Sequence[dict[str, Any]], out: Path) -> Path:
     axes[0].axhline(5.0, color="#7f7f7f", linewidth=0.8, linestyle=":")
     for ax, label in ((axes[0], "busiest agent's CPU (% of one core)"), (axes[1], "data messages received / s")):
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        log_axis(ax)
         ax.set_xlabel("hosts (GPUs)")
         ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0].legend(frameon=False, fontsize=8)
+        ax.grid(True, which="major", alpha=0.3)
+    legend_outside(fig, axes[0])
     fig.suptitle("reservation control plane: full broadcast, scoped dissemination, arbiter")
     fig.tight_layout()
-    fig.savefig(out, dpi=150)
+    fig.savefig(out, dpi=150, bbox_inches="tight")
     plt.close(fig)
     return out
 
@@ -165,7 +208,7 @@ def control_plane(rows: Sequence[dict[str, Any]], out: Path) -> Path:
 def _save(fig: Any, path: Path, title: str, dpi: int = 130) -> Path:
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")  # the legend right of the plots stays in
     plt.close(fig)
     return path
 
@@ -182,38 +225,44 @@ def fct_cdf(flows: dict[tuple[str, float, int], tuple[list[int], list[float], li
     rows = -(-len(qs) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False)
     for ax, q in zip(axes.flat, qs, strict=False):
-        for s in schemes:
+        for i, s in enumerate(schemes):
             f = np.sort(np.concatenate([np.asarray(v[2]) for k, v in flows.items() if k[0] == s and k[1] == q]))
             st = _style(s)
-            st.pop("marker", None)
-            ax.plot(f, np.arange(1, len(f) + 1) / len(f), linewidth=1.3, **st)
-        ax.set_xscale("log")
+            # Sparse hollow markers, each scheme's at other quantiles: equal curves stay told apart.
+            marks = np.linspace(0, len(f) - 1, 6).astype(int)[1:-1] + i % 4 * max(1, len(f) // 40)
+            ax.plot(f, np.arange(1, len(f) + 1) / len(f), linewidth=1.2, markevery=list(np.clip(marks, 0, len(f) - 1)),
+                    markersize=4, markerfacecolor="none", **st)
+        log_axis(ax, "x")
         ax.set_title(f"QPS {q:g}", fontsize=10)
         ax.set_xlabel("KV-transfer FCT (s)")
         ax.set_ylabel("fraction of flows")
-        ax.grid(True, which="both", alpha=0.3)
+        ax.grid(True, which="major", alpha=0.3)
     for ax in list(axes.flat)[len(qs):]:
         ax.set_visible(False)
-    axes[0][0].legend(frameon=False, fontsize=7)
-    return _save(fig, out / "fct_cdf.png", "FCT distribution per scheme (seeds pooled)")
+    legend_outside(fig, axes[0][0])
+    named = seeds_text([{"seed": k[2]} for k in flows])
+    return _save(fig, out / "fct_cdf.png", f"FCT distribution per scheme ({named} pooled)")
 
 
-def slowdown(rows: Sequence[dict[str, Any]], out: Path) -> Path | None:
+def slowdown(rows: Sequence[dict[str, Any]], out: Path, seeds: str = "seeds") -> Path | None:
     """Mean slowdown (FCT over size / NIC goodput) against flow size, per scheme."""
     if not rows:
         return None
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for s in dict.fromkeys(r["scheme"] for r in rows):
+    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+    for i, s in enumerate(schemes):
         rs = [r for r in rows if r["scheme"] == s]
         x = [float(np.sqrt(r["size_lo"] * r["size_hi"])) / 1e9 for r in rs]
-        ax.plot(x, [r["slowdown"] for r in rs], linewidth=1.5, markersize=5, **_style(s))
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("KV-flow size (GB)")
+        # Dodged by a few percent of each bin (a log axis): equal schemes stay visible.
+        x = [v * (1 + 0.025 * (i - (len(schemes) - 1) / 2)) for v in x]
+        ax.plot(x, [r["slowdown"] for r in rs], linewidth=1.3, markersize=5, markerfacecolor="none", **_style(s))
+    log_axis(ax, "x")
+    log_axis(ax)
+    ax.set_xlabel("KV-flow size (GB, bin centres)")
     ax.set_ylabel("mean slowdown (FCT / ideal)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(frameon=False, fontsize=7, ncol=2)
-    return _save(fig, out / "slowdown.png", f"slowdown against flow size at QPS {rows[0]['qps']:g} (seeds pooled)")
+    ax.grid(True, which="major", alpha=0.3)
+    legend_outside(fig, ax)
+    return _save(fig, out / "slowdown.png", f"slowdown against flow size at QPS {rows[0]['qps']:g} ({seeds} pooled)")
 
 
 def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Path, placement: str) -> Path:
@@ -227,9 +276,10 @@ def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Pat
     axes[0].axhline(0.0, color="#7f7f7f", linewidth=0.8)
     for ax, label in ((axes[0], "mean-FCT gain over ECMP (%)"), (axes[1], "races per 1,000 flows (0 drawn at 0.1)")):
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("one-way control-plane delay (us)")
         ax.set_ylabel(label)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[1].set_yscale("log")
-    axes[0].legend(frameon=False, fontsize=8)
+        ax.grid(True, which="major", alpha=0.3)
+    log_axis(axes[1])
+    legend_outside(fig, axes[0])
     return _save(fig, out / "race_window.png", f"the race window: {placement}")

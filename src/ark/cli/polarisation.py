@@ -8,18 +8,19 @@ from pathlib import Path
 import click
 from rich.table import Table
 
-from ark.cli.common import jobs_default, jobs_option, out, qps_list
+from ark.cli.common import OutFolder, jobs_default, jobs_option, out, qps_list
 
 
 @click.command()
 @click.option("--pairs", type=click.IntRange(min=1), default=32, show_default=True,
               help="Cross-pod host pairs whose path maps are counted (on the 1,024-GPU scale fabric).")
-@click.option("--qps", "qps", help="Loads of the FCT comparison (default 20,40,60,80).")
-@click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
-@click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--out", "out_dir", default="ark-results", show_default=True, help="Where polarisation.json|png go.")
+@click.option("--qps", "qps", show_default="20,40,60,80", help="Loads of the FCT comparison.")
+@click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True, help="Requests per run.")
+@click.option("--seeds", type=click.IntRange(min=1), default=2, show_default=True, help="Seeds per point (0..N-1).")
+@click.option("--out", "out_dir", type=OutFolder(), default="ark-polarisation", show_default=True,
+              help="Folder for polarisation.json and polarisation.png (created).")
 @jobs_option()
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def polarisation(pairs: int, qps: str | None, requests: int, seeds: int, out_dir: str, jobs: int | None,
                  as_json: bool) -> None:
     """Hash polarisation on a 3-tier Clos: reachable paths, and what ARK can still do."""

@@ -11,15 +11,22 @@ from rich.table import Table
 
 from ark.cli.common import (
     FiniteRange,
+    OutFolder,
     apply_sets,
+    check_sweep_size,
+    err,
     jobs_default,
     jobs_option,
     load_config,
     number_list,
     out,
     run_progress,
+    schemes_opt,
     seeds_option,
 )
+from ark.sim.engine import ARK_SCHEMES
+
+DEFAULT_SCHEMES = ("ark", "ark-split")
 
 
 def _sweep(text: str | None, name: str, default: tuple[float, ...]) -> tuple[float, ...]:
@@ -49,36 +56,34 @@ def _check_set(key: str) -> None:
 
 @click.command("race-window")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="TOML config (default: prefill on leaves 0-2, decode on leaf 3).")
-@click.option("--set", "sets", multiple=True, metavar="TABLE.KEY=VALUE", help="Override one config value (repeat).")
-@click.option("--delays", help="One-way control delays to sweep, us (default 1,10,...,1000000).")
-@click.option("--jitters", help="Jitters at a 20 us delay, us (default 100,1000,10000; empty: none).")
-@click.option("--skews", help="Clock skews at a 20 us delay, us (default 10,100,1000,10000; empty: none).")
-@click.option("--queues", help="In-band control: standing queue per congested hop, kB (default 100,1000,10000; "
-                               "empty: none).")
-@click.option("--arbiter-rtt", "rtts", help="One arbiter deciding for every host: request round trips to sweep, us "
-                                           "(default 0,50,200,1000,5000; empty: none).")
-@click.option("--schemes", default="ark,ark-split", show_default=True, help="ARK schemes to sweep.")
-@click.option("--qps", type=FiniteRange(min=0, min_open=True), default=25.0, show_default=True)
-@click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True)
+              show_default="prefill on leaves 0-2, decode on leaf 3", help="TOML config.")
+@click.option("--set", "sets", multiple=True, metavar="TABLE.KEY=VALUE", show_default="none", help="Override one config value (repeat).")
+@click.option("--delays", show_default="1,10,...,1000000", help="One-way control delays to sweep, us.")
+@click.option("--jitters", show_default="100,1000,10000; empty: none", help="Jitters at a 20 us delay, us.")
+@click.option("--skews", show_default="10,100,1000,10000; empty: none", help="Clock skews at a 20 us delay, us.")
+@click.option("--queues", show_default="100,1000,10000",
+              help="In-band control: standing queue per congested hop, kB (empty: none).")
+@click.option("--arbiter-rtt", "rtts", show_default="0,50,200,1000,5000",
+              help="One arbiter deciding for every host: request round trips to sweep, us (empty: none).")
+@schemes_opt("ark,ark-split", ARK_SCHEMES)
+@click.option("--qps", type=FiniteRange(min=0, min_open=True), default=25.0, show_default=True, help="Requests per second.")
+@click.option("--requests", type=click.IntRange(min=1), default=1000, show_default=True, help="Requests per run.")
 @click.option("--seeds", default="3", show_default=True, help="Seed count N or a list like 0,4,7.")
-@click.option("--out", "out_dir", default="ark-race-window", show_default=True, help="Output folder.")
+@click.option("--out", "out_dir", type=OutFolder(), default="ark-race-window", show_default=True,
+              help="Output folder (created).")
 @jobs_option()
-@click.option("--figures", "fig_dir", type=click.Path(file_okay=False), help="Write the figure here (default: --out).")
+@click.option("--figures", "fig_dir", type=OutFolder(), show_default="--out", help="Write the figure here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | None, jitters: str | None, skews: str | None,
-                queues: str | None, rtts: str | None, schemes: str, qps: float, requests: int, seeds: str, out_dir: str,
+                queues: str | None, rtts: str | None, schemes: tuple[str, ...] | None, qps: float, requests: int, seeds: str, out_dir: str,
                 jobs: int | None, fig_dir: str | None, as_json: bool) -> None:
     """The race window: races per 1,000 flows, flows moved and the FCT cost against a zero-delay
     control plane, sweeping delay (1 us - 1 s), jitter, clock skew and in-band control, and
     the request round trip to one arbiter (no races)."""
     from ark.cli import plots
     from ark.sim import racewindow as rw
-    from ark.sim.engine import ARK_SCHEMES
 
-    names = tuple(dict.fromkeys(s.strip() for s in schemes.split(",") if s.strip()))
-    if not names or any(s not in ARK_SCHEMES for s in names):
-        raise click.BadParameter(f"each must be one of {', '.join(ARK_SCHEMES)}; got {schemes!r}", param_hint="--schemes")
+    names = schemes or DEFAULT_SCHEMES
     for item in sets:
         _check_set(item.partition("=")[0].strip())
     base = apply_sets(load_config(config_path) if config_path else rw.race_config(), sets)
@@ -88,7 +93,11 @@ def race_window(config_path: str | None, sets: tuple[str, ...], delays: str | No
     pts = rw.race_points(_sweep(delays, "--delays", rw.DELAYS_US), _sweep(jitters, "--jitters", rw.JITTERS_US),
                          _sweep(skews, "--skews", rw.SKEWS_US), _sweep(queues, "--queues", rw.QUEUES_KB),
                          _sweep(rtts, "--arbiter-rtt", rw.ARBITER_RTTS_US))
-    with run_progress(len(cfg.seeds) * (1 + len(pts) * len(names)), disable=as_json) as tick:
+    runs = [s for _ in cfg.seeds for s in ("ecmp", *[n for _ in pts for n in names])]
+    note = check_sweep_size(cfg, jobs or jobs_default(), schemes=runs)
+    if note:
+        err.print(f"ark: {note}", highlight=False, soft_wrap=True)
+    with run_progress(len(runs), disable=as_json) as tick:
         rows = rw.run_race_window(cfg, pts, names, jobs or jobs_default(), tick)
     od = Path(out_dir)
     od.mkdir(parents=True, exist_ok=True)

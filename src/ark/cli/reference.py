@@ -13,7 +13,9 @@ The documentation site's build hook (``docs/hooks.py``) adds each as a page;
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,7 +45,9 @@ def commands() -> list[tuple[str, click.Command]]:
     def walk(name: str, cmd: click.Command) -> None:
         out.append((name, cmd))
         if isinstance(cmd, click.Group):
-            for sub in sorted(cmd.commands):
+            with click.Context(cmd) as ctx:
+                subs = cmd.list_commands(ctx)  # the order `ark --help` lists them in
+            for sub in subs:
                 walk(f"{name} {sub}", cmd.commands[sub])
 
     walk("ark", main)
@@ -57,13 +61,17 @@ def _option_row(p: click.Parameter) -> str:
     # 0 is a default to show; False (a flag off) and () (nothing repeated) are not.
     unset = p.default is None or callable(p.default) or p.default is False or p.default == () or repr(
         p.default).startswith("Sentinel.")
-    default = "" if unset else p.default
+    shown = p.show_default if isinstance(p, click.Option) and isinstance(p.show_default, str) else None
+    default = "**required**" if p.required else shown if shown is not None else "" if unset else p.default
     helptext = p.help if isinstance(p, click.Option) and p.help else ""  # arguments have no help
     return f"| {names} | {kind} | {_cell(default)} | {_cell(helptext)} |"
 
 
 def cli_markdown() -> str:
-    lines = ["# Command line", "", "Every `ark` command and option (generated from the command definitions).", ""]
+    lines = ["# Command line", "",
+             "Every `ark` command and option, in the order a user meets them (generated from the command "
+             "definitions; `ark COMMAND --help` prints the same). **required** marks the options a command cannot "
+             "run without.", ""]
     for name, cmd in commands():
         lines += [f"## `{name}`", ""]
         if cmd.help:
@@ -102,8 +110,9 @@ def _tables(cls: type[msgspec.Struct], path: str = "") -> Iterator[tuple[str, ty
         yield from _tables(sub[0], name)
 
 
-FILES = {"experiment": "experiment config (`ark run --config`, `ark compare --config`, ...)",
-         "cluster": "cluster file (`ark agent --cluster`)"}
+FILES = {"experiment": "experiment config (`ark reproduce --config`, `ark compare --config`, `ark simulate`, "
+                         "`ark sweep`, `ark testbed up --config`)",
+         "cluster": "cluster file (`ark agent --cluster`, `ark arbiter --cluster`)"}
 
 
 def config_tables() -> list[tuple[str, str, type[msgspec.Struct]]]:
@@ -121,6 +130,37 @@ def _own_keys(cls: type[msgspec.Struct]) -> set[str]:
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
     return {f.encode_name for f in info.fields if _struct_of(f.type) is None}
+
+
+def _rst(text: str) -> str:
+    return text.replace("``", "`")
+
+
+def table_text(cls: type[msgspec.Struct]) -> str:
+    """What a table is for: the first paragraph of its Struct's docstring."""
+    doc = inspect.getdoc(cls) or ""
+    return _rst(" ".join(doc.split("\n\n", 1)[0].split()))
+
+
+def key_texts(cls: type[msgspec.Struct]) -> dict[str, str]:
+    """Each key's description, from the ``Keys:`` section of its Struct's docstring (one
+    ``name: text`` entry per key, continued on lines indented further)."""
+    doc = inspect.getdoc(cls) or ""
+    out: dict[str, str] = {}
+    lines = doc.split("Keys:\n", 1)[1].splitlines() if "Keys:\n" in doc else []
+    key = None
+    for line in lines:
+        if not line.strip():
+            break
+        m = re.match(r"^    ([a-z_][a-z0-9_]*): (.*)$", line)
+        if m:
+            key = m.group(1)
+            out[key] = m.group(2)
+        elif key is not None and line.startswith("        "):
+            out[key] += " " + line.strip()
+        else:
+            break
+    return {k: _rst(v) for k, v in out.items()}
 
 
 def _bounds(t: Any) -> list[str]:
@@ -183,17 +223,18 @@ def _default(f: mi.Field) -> str:
     return ""
 
 
-def struct_fields(cls: type[msgspec.Struct]) -> Iterator[tuple[str, str, str, str]]:
-    """(key, type, default, accepted values) of every field of ``cls`` that is a value (its
-    tables have their own section)."""
+def struct_fields(cls: type[msgspec.Struct]) -> Iterator[tuple[str, str, str, str, str]]:
+    """(key, type, default, accepted values, description) of every field of ``cls`` that is
+    a value (its tables have their own section)."""
     info = mi.type_info(cls)
     assert isinstance(info, mi.StructType)
     own = _own_keys(cls)
+    texts = key_texts(cls)
     for f in info.fields:
         if f.encode_name not in own:
             continue
         kind, accepted = type_text(f.type)
-        yield f.encode_name, kind, _default(f), accepted
+        yield f.encode_name, kind, _default(f), accepted, texts.get(f.encode_name, "")
 
 
 def heading(file: str, table: str) -> str:
@@ -202,17 +243,18 @@ def heading(file: str, table: str) -> str:
 
 def config_markdown() -> str:
     lines = ["# Configuration keys", "",
-             "Every table and key of the two TOML files ARK reads, with its type, default and accepted values "
-             "(generated from the definitions that check them). An unknown key is refused with a one-line error "
-             "naming it.", ""]
+             "Every table and key of the two TOML files ARK reads, with its meaning, type, default and accepted "
+             "values (generated from the definitions that check them; [config files](../config-files.md) shows "
+             "them in use). An unknown key is refused with a one-line error naming it.", ""]
     last = ""
     for file, table, cls in config_tables():
         if file != last:
             lines += [f"## The {FILES[file]}", ""]
             last = file
-        doc = cls.__doc__.strip().splitlines()[0] if cls.__doc__ else ""
-        lines += [heading(file, table), "", doc, "", "| key | type | default | accepted |", "|---|---|---|---|"]
-        lines += [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a in struct_fields(cls)]
+        lines += [heading(file, table), "", table_text(cls), "",
+                  "| key | meaning | type | default | accepted |", "|---|---|---|---|---|"]
+        lines += [f"| `{k}` | {_cell(m)} | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a, m in
+                  struct_fields(cls)]
         lines.append("")
     return "\n".join(lines)
 
@@ -228,7 +270,7 @@ def api_markdown() -> str:
              "fields (generated from the request definitions):", ""]
     for op, cls in REQUESTS.items():
         lines += [f"## `{op}`", "", "| field | type | default | accepted |", "|---|---|---|---|"]
-        rows = [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a in struct_fields(cls)]
+        rows = [f"| `{k}` | {_cell(t)} | {_cell(d)} | {_cell(a)} |" for k, t, d, a, _ in struct_fields(cls)]
         lines += rows or ["| (none) | | | |"]
         lines.append("")
     return "\n".join(lines)
@@ -253,3 +295,11 @@ def page(path: str) -> str:
 
 _MAKERS = {"cli_markdown": cli_markdown, "config_markdown": config_markdown, "api_markdown": api_markdown,
            "metrics_markdown": metrics_markdown}
+
+
+if __name__ == "__main__":  # python -m ark.cli.reference reference/config.md: one page on stdout
+    import sys
+
+    if len(sys.argv) != 2 or sys.argv[1] not in PAGES:
+        sys.exit(f"usage: python -m ark.cli.reference PAGE, PAGE one of {', '.join(PAGES)}")
+    print(page(sys.argv[1]))

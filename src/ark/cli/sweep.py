@@ -8,16 +8,18 @@ from pathlib import Path
 import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ark.cli.common import err, jobs_default, jobs_option, load_config, out
+from ark.cli.common import OutFolder, err, jobs_default, jobs_option, load_config, out
+from ark.cli.experiment import start_note
 
 
 @click.command()
 @click.option("--config", "config_paths", multiple=True, type=click.Path(dir_okay=False),
-              help="TOML config; repeat for a grid over configs (default: the paper's setup, named 'default').")
-@click.option("--out", "out_dir", default="ark-sweep", show_default=True,
+              show_default="the paper's setup, named 'default'", help="TOML config; repeat for a grid over configs.")
+@click.option("--out", "out_dir", type=OutFolder(), default="ark-sweep", show_default=True,
               help="Output folder: OUT/<config>/results.json|csv, and one file per finished run under OUT/runs/.")
 @jobs_option("Local worker processes")
 @click.option("--ray", "ray_address", is_flag=False, flag_value="auto", default=None, metavar="[ADDRESS]",
+              show_default="local processes",
               help="Run on an existing Ray cluster (ADDRESS, or 'auto' when given bare) instead of local processes.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary.")
 def sweep(config_paths: tuple[str, ...], out_dir: str, jobs: int | None, ray_address: str | None,
@@ -27,6 +29,9 @@ def sweep(config_paths: tuple[str, ...], out_dir: str, jobs: int | None, ray_add
     from ark.sim.sweep import sweep as run_grid
 
     configs = [(Path(p).stem, load_config(p)) for p in config_paths] or [("default", load_config(None))]
+    if ray_address is None:  # local workers: each config's runs must fit this machine
+        for _, c in configs:
+            start_note(c, jobs or jobs_default(), option="workload.requests")
     total = sum(len(plan(c)) for _, c in configs)
     with Progress(TextColumn("[bold]sweeping"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=err, transient=True, disable=as_json) as prog:

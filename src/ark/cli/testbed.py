@@ -10,9 +10,10 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ark.cli.common import FiniteRange, err, out, seeds_option
+from ark.cli.common import FiniteRange, InOrder, OutFile, err, out, schemes_opt, seeds_option
 
-TB_HELP_DIR = "State folder (default /run/ark-testbed, or $ARK_TESTBED_DIR)."
+TB_HELP_DIR = "State folder of the testbed (its namespaces, links and agents)."
+TB_DIR_DEFAULT = "/run/ark-testbed, or $ARK_TESTBED_DIR"
 
 
 def _spec(config_path: str | None, **kw: Any) -> Any:
@@ -34,20 +35,20 @@ def _finite(v: Any) -> Any:
     return None if isinstance(v, float) and math.isnan(v) else v
 
 
-@click.group()
+@click.group(cls=InOrder, order=("up", "probe", "run", "link", "status", "roce-check", "down"))
 def testbed() -> None:
     """A real spine-leaf or 3-tier Clos fabric in network namespaces (root): up, run, down."""
 
 
 @testbed.command("up")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Experiment TOML whose [fabric] to build (default: the paper's).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), show_default="the paper's", help="Experiment TOML whose [fabric] to build.")
 @click.option("--scale", type=float, default=1e-3, show_default=True, help="Rate and flow-size factor (100 Gbit/s -> 100 Mbit/s).")
 @click.option("--hash-policy", type=click.Choice(["headers", "l4"]), default="headers", show_default=True,
               help="headers: 5-tuple from packet headers (policy 3); l4: kernel policy 1.")
 @click.option("--queue-ms", type=float, default=20.0, show_default=True, help="Per-link queue, in ms at the scaled rate.")
 @click.option("--prefix", default="ark", show_default=True, help="Name prefix of every namespace.")
-@click.option("--state-dir", help=TB_HELP_DIR)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--state-dir", show_default=TB_DIR_DEFAULT, help=TB_HELP_DIR)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def tb_up(config_path: str | None, scale: float, hash_policy: str, queue_ms: float, prefix: str,
           state_dir: str | None, as_json: bool) -> None:
     """Build the fabric: namespaces, veths, multipath routes, rate limits, management bridge."""
@@ -67,8 +68,8 @@ def tb_up(config_path: str | None, scale: float, hash_policy: str, queue_ms: flo
 
 
 @testbed.command("down")
-@click.option("--prefix", default="ark", show_default=True)
-@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--prefix", default="ark", show_default=True, help="Name prefix of the testbed's namespaces.")
+@click.option("--state-dir", show_default=TB_DIR_DEFAULT, help=TB_HELP_DIR)
 def tb_down(prefix: str, state_dir: str | None) -> None:
     """Remove everything `up` created (also after a crash; idempotent)."""
     from ark.testbed import fabric as tb
@@ -78,8 +79,8 @@ def tb_down(prefix: str, state_dir: str | None) -> None:
 
 
 @testbed.command("status")
-@click.option("--prefix", default="ark", show_default=True)
-@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--prefix", default="ark", show_default=True, help="Name prefix of the testbed's namespaces.")
+@click.option("--state-dir", show_default=TB_DIR_DEFAULT, help=TB_HELP_DIR)
 def tb_status(prefix: str, state_dir: str | None) -> None:
     """What the state file lists, and what of it is missing."""
     from ark.testbed import fabric as tb
@@ -91,8 +92,8 @@ def tb_status(prefix: str, state_dir: str | None) -> None:
 @click.argument("leaf", type=click.IntRange(min=0))
 @click.argument("spine", type=click.IntRange(min=0))
 @click.argument("state", type=click.Choice(["up", "down"]))
-@click.option("--prefix", default="ark", show_default=True)
-@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--prefix", default="ark", show_default=True, help="Name prefix of the testbed's namespaces.")
+@click.option("--state-dir", show_default=TB_DIR_DEFAULT, help=TB_HELP_DIR)
 def tb_link(leaf: int, spine: int, state: str, prefix: str, state_dir: str | None) -> None:
     """Take the LEAF-SPINE link down or bring it back (the kernel re-hashes)."""
     from ark.testbed import fabric as tb
@@ -102,10 +103,11 @@ def tb_link(leaf: int, spine: int, state: str, prefix: str, state_dir: str | Non
 
 
 @testbed.command("probe")
-@click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True)
-@click.option("--prefix", default="ark", show_default=True)
-@click.option("--state-dir", help=TB_HELP_DIR)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Source ports probed per peer (0: all).")
+@click.option("--prefix", default="ark", show_default=True, help="Name prefix of the testbed's namespaces.")
+@click.option("--state-dir", show_default=TB_DIR_DEFAULT, help=TB_HELP_DIR)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Every prefill host probes every decode host; maps are checked against the kernel."""
     from ark.testbed.probing import probe
@@ -126,9 +128,9 @@ def tb_probe(sample: int, prefix: str, state_dir: str | None, as_json: bool) -> 
 @click.option("--per-spine", type=click.IntRange(1, 64), default=2, show_default=True, help="Leased ports (QPs) per spine.")
 @click.option("--iters", type=click.IntRange(1, 10**6), default=200, show_default=True, help="RDMA writes per QP.")
 @click.option("--size", type=click.IntRange(1, 1 << 30), default=4096, show_default=True, help="Bytes per write.")
-@click.option("--prefix", default="ark", show_default=True)
-@click.option("--state-dir", help=TB_HELP_DIR)
-@click.option("--json", "as_json", is_flag=True)
+@click.option("--prefix", default="ark", show_default=True, help="Name prefix of the testbed's namespaces.")
+@click.option("--state-dir", show_default=TB_DIR_DEFAULT, help=TB_HELP_DIR)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
 def tb_roce_check(per_spine: int, iters: int, size: int, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """RoCEv2 on the wire: Soft-RoCE writes under the verbs interposer, each QP's port and
     spine checked at the spines (2-tier testbed, Linux >= 5.17 with rdma_rxe; otherwise it
@@ -156,14 +158,14 @@ def tb_roce_check(per_spine: int, iters: int, size: int, prefix: str, state_dir:
 
 
 @testbed.command("run")
-@click.option("--requests", type=click.IntRange(min=1), default=150, show_default=True)
-@click.option("--qps", type=float, default=20.0, show_default=True)
-@click.option("--scheme", "schemes", multiple=True, type=click.Choice(["ecmp", "ark", "ark-balance", "ark-split"]),
-              help="Repeat for several (default: ecmp and ark).")
+@click.option("--requests", type=click.IntRange(min=1), default=150, show_default=True, help="Requests per run.")
+@click.option("--qps", type=FiniteRange(min=0, min_open=True), default=20.0, show_default=True,
+              help="Requests per second.")
+@schemes_opt("ecmp,ark", ("ecmp", "ark", "ark-balance", "ark-split"))
 @click.option("--seeds", default="10", show_default=True,
               help="Seed count N (seeds 0..N-1) or a list like 0,4,7; ten give intervals that mostly cover (docs/testbed.md).")
 @click.option("--sample", type=click.IntRange(min=0), default=128, show_default=True, help="Probed ports per peer.")
-@click.option("--fail-link", help="LEAF:SPINE@SECONDS: take that link down mid-run; hosts re-probe, agents reload.")
+@click.option("--fail-link", show_default="none", help="LEAF:SPINE@SECONDS: take that link down mid-run; hosts re-probe, agents reload.")
 @click.option("--engine", type=click.Choice(["builtin", "mooncake", "vllm"]), default="builtin", show_default=True,
               help="Who moves the bytes: the testbed's TCP senders, Mooncake Transfer Engines (the mooncake extra), "
                    "or vLLM prefill/decode instances with the builtin flows as background (the vllm extra).")
@@ -185,11 +187,12 @@ def tb_roce_check(per_spine: int, iters: int, size: int, prefix: str, state_dir:
 @click.option("--control", type=click.Choice(["broadcast", "arbiter"]), default="broadcast", show_default=True,
               help="arbiter: the agents keep no replica and ask a primary and a standby arbiter (run in the first "
                    "and the last host's namespace).")
-@click.option("--out", "out_file", type=click.Path(dir_okay=False), help="Also write every record (flows included) as JSON.")
-@click.option("--prefix", default="ark", show_default=True)
-@click.option("--state-dir", help=TB_HELP_DIR)
+@click.option("--out", "out_file", type=OutFile(), show_default="none",
+              help="Also write every record (flows included) as JSON.")
+@click.option("--prefix", default="ark", show_default=True, help="Name prefix of the testbed's namespaces.")
+@click.option("--state-dir", show_default=TB_DIR_DEFAULT, help=TB_HELP_DIR)
 @click.option("--json", "as_json", is_flag=True, help="Print the record (a list when several runs) as JSON.")
-def tb_run(requests: int, qps: float, schemes: tuple[str, ...], seeds: str, sample: int, fail_link: str | None,
+def tb_run(requests: int, qps: float, schemes: tuple[str, ...] | None, seeds: str, sample: int, fail_link: str | None,
            engine: str, instances: int, vllm_requests: int, vllm_poll_s: float, buffers: int, parts: int, ecmp_agents: bool, control: str,
            out_file: str | None, prefix: str, state_dir: str | None, as_json: bool) -> None:
     """Real KV flows over the fabric: FCT per scheme, and whether ARK flows crossed their reserved spines."""

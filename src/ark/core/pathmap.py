@@ -20,6 +20,7 @@ from ark.core.topology import EcmpHop, Fabric
 
 ROCE_PORT_RANGE = (0xC000, 0xFFFF)  # ports a RoCEv2 GRH flow label can produce
 FULL_PORT_RANGE = (0, 0xFFFF)
+MAX_PATHS = 32767  # a map's per-port path index is an int16
 # ``hash`` and ``selection`` of a map learnt by probing (ark.agent.probe): it covers only the
 # probed ports of its range, and ports it does not know map to path -1.
 PROBED = "probe"
@@ -193,14 +194,14 @@ def compute_buckets(
     """Hash every source port of ``port_range`` and bucket it by next-hop member."""
     model = hash_model(hash_name)
     check_port_range(port_range)
-    if paths < 1:
-        raise PathMapError(f"paths: must be >= 1, got {paths}")
+    lo, hi = port_range
+    if not 1 <= paths <= MAX_PATHS:
+        raise PathMapError(f"paths: must be 1..{MAX_PATHS} (a map's path index is 16 bits); got {paths}")
     if not 0 <= dport <= 0xFFFF:
         raise PathMapError(f"dport: must be 0..65535, got {dport}")
     if not 0 <= seed < 2**32:
         raise PathMapError(f"seed: must be 0..4294967295, got {seed}")
     s, d = _ip_int(src_ip, "src"), _ip_int(dst_ip, "dst")
-    lo, hi = port_range
     ports = np.arange(lo, hi + 1, dtype=np.int64)
     member = select_many(model.hash_ports(seed, s, d, dport, ports, proto), paths, selection, model.bits)
     return pathmap_from_paths(hash_name, seed, selection, s, d, dport, ports, member, paths, proto)

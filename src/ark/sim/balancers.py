@@ -49,7 +49,19 @@ TWO_TIER_ONLY = ("conga",)  # leaf-local schemes: their model knows one tier of 
 
 
 class PlbParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``net.ipv4.tcp_plb_*`` (defaults as Linux), plus the round trip of the fluid model."""
+    """The ``[params.plb]`` table: ``net.ipv4.tcp_plb_*`` (defaults as Linux), plus the round trip of the fluid model.
+
+    Keys:
+        cong_thresh: A round is congested when at least this many of 256 packets are ECN-marked.
+        rehash_rounds: Congested rounds in a row before a forced re-hash.
+        idle_rehash_rounds: Congested rounds before a re-hash while nothing is in flight (0: off).
+        forced: Whether the forced re-hash is on (false: idle re-hashes only).
+        suspend_rto_s: After a retransmission timeout, no re-hash for a random 1-2x this, s.
+        rtt_us: The base round trip: DCTCP's RTT and the length of one round, us.
+        ecn_threshold_kb: DCTCP's marking threshold K, kB.
+        resolution_us: Re-hashes that come due apply together at the next multiple of this (0:
+            each at its own round's end), us; see docs/baselines.md.
+    """
 
     cong_thresh: Annotated[int, msgspec.Meta(ge=0, le=256)] = 128  # of 256: congested round
     rehash_rounds: Annotated[int, msgspec.Meta(ge=1, le=255)] = 12
@@ -65,10 +77,25 @@ class PlbParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
 
 
 class LetFlowParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[params.letflow]`` table: LetFlow, a random path per flowlet.
+
+    Keys:
+        flowlet_timeout_us: A gap longer than this starts a new flowlet, us.
+    """
+
     flowlet_timeout_us: Positive = 100.0
 
 
 class CongaParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[params.conga]`` table: CONGA, the least congested path per flowlet.
+
+    Keys:
+        flowlet_timeout_us: A gap longer than this starts a new flowlet, us.
+        t_dre_us: The period of the discounting rate estimator, us.
+        alpha: The estimator's decay factor per period.
+        quant_bits: Bits a congestion metric is quantised to.
+    """
+
     flowlet_timeout_us: Positive = 100.0
     t_dre_us: Positive = 50.0
     alpha: Unit = 0.2
@@ -76,18 +103,37 @@ class CongaParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
 
 class HederaParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[params.hedera]`` table: Hedera, a central scheduler that moves elephant flows.
+
+    Keys:
+        period_s: How often the scheduler places the elephants, s.
+        elephant_fraction: A flow is an elephant above this share of its NIC's rate.
+    """
+
     period_s: Positive = 5.0
     elephant_fraction: Unit = 0.1
 
 
 class SplitParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """``ark-split`` and ``ecmp-split``: sub-flows (connections, QPs) per transfer."""
+    """The ``[params.split]`` table: ``ark-split`` and ``ecmp-split``: sub-flows (connections, QPs) per transfer.
+
+    Keys:
+        parts: Sub-flows per transfer.
+    """
 
     parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_PARTS)] = 3
 
 
 class SchemeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[params]`` table: one sub-table per scheme with parameters."""
+    """The ``[params]`` table: one sub-table per scheme with parameters.
+
+    Keys:
+        plb: PLB's parameters.
+        letflow: LetFlow's parameters.
+        conga: CONGA's parameters.
+        hedera: Hedera's parameters.
+        split: The split schemes' parameters.
+    """
 
     plb: PlbParams = msgspec.field(default_factory=PlbParams)
     letflow: LetFlowParams = msgspec.field(default_factory=LetFlowParams)

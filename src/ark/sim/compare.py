@@ -36,13 +36,11 @@ from ark.sim.experiment import (
     summarize,
     write_results,
 )
+from ark.sim.report import BOUNDS, IDEAL, NEAR, markdown_lines
 from ark.sim.stats import paired_rows
 
 COMPARED = ("ecmp", "plb", "letflow", "conga", "hedera", "ecmp-split", "ark", "ark-balance", "ark-split",
             "oracle-path", "spray")
-IDEAL = "spray"  # the bound: not something a host-side operator can deploy on a RoCE fabric
-BOUNDS = (IDEAL, "oracle-path")  # measured for reference, never recommended
-NEAR = 0.05  # within 5% of the best deployable scheme counts as as good
 DETAIL_QPS = 25.0  # slowdown against size is drawn at the sweep's QPS nearest this
 PAIRED_AGAINST = ("ecmp", IDEAL)  # the deployed default and the bound
 PAIRED_METRIC = "fct_mean_s"
@@ -226,17 +224,15 @@ def markdown(comp: Comparison) -> str:
     qs = sorted({r["qps"] for r in rows})
     cell = {(r["qps"], r["scheme"]): r for r in rows}
     lines = [
-        "# Scheme comparison", "",
-        f"Fabric `{_fabric_label(cfg)}`, {cfg.workload.model}, {cfg.workload.requests} requests per run, seeds "
-        f"{', '.join(map(str, cfg.seeds))}, KV transfer `{cfg.serving.kv_transfer}`; mean over seeds.", "",
+        "# Scheme comparison", "", *markdown_lines(cfg, comp.records), "",
         path_kind_summary(comp.records) + ".", "",
         "## Mean FCT (ms) and ratio to the ideal spray", "",
-        "| QPS | " + " | ".join(schemes) + " |", "|---" * (len(schemes) + 1) + "|",
+        "| scheme | " + " | ".join(f"QPS {q:g}" for q in qs) + " |", "|---" * (len(qs) + 1) + "|",
     ]
-    for q in qs:
-        lines.append(f"| {q:g} | " + " | ".join(
+    for s in schemes:  # a row per scheme: eleven schemes would not fit a page as columns
+        lines.append(f"| {s} | " + " | ".join(
             f"{_ms(cell[(q, s)]['fct_mean_s'])} ({cell[(q, s)]['x_spray']:.2f}x)" if (q, s) in cell else "—"
-            for s in schemes) + " |")
+            for q in qs) + " |")
     lines += ["", "## Which scheme at which load", "",
               f"Best deployable scheme (lowest mean FCT; `{IDEAL}` and `oracle-path` are bounds, not deployable), "
               "the schemes within "
@@ -250,11 +246,6 @@ def markdown(comp: Comparison) -> str:
     lines += _failure_lines(comp)
     lines += _paired_lines(comp.paired)
     return "\n".join(lines) + "\n"
-
-
-def _fabric_label(cfg: ExperimentConfig) -> str:
-    fab = cfg.fabric.build()
-    return f"{fab.n_hosts} GPUs, {fab.n_leaves} leaves, {fab.n_spines} {fab.top_kind}s, {cfg.fabric.transport}"
 
 
 def _failure_lines(comp: Comparison) -> list[str]:

@@ -43,6 +43,23 @@ DEFAULT_QPS = (1.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0)
 
 
 class WorkloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[workload]`` table: the requests (model, count, loads, prompt lengths, or a trace).
+
+    Keys:
+        model: The served model; sets the KV cache per token (2 x layers x KV heads x head
+            size x 2 bytes) and scales the prefill and decode latencies.
+        requests: Requests per run (with a trace: its first this many rows). A run must be long
+            enough to reach a steady state: the command warns and names a count when it is not.
+        qps: Request arrival rates to sweep (Poisson arrivals), one run per rate and seed.
+        theta: Zipf skew of prompt lengths (Vidur's generator), in (0, 1).
+        min_tokens: Shortest request (prompt plus output), tokens.
+        max_tokens: Longest request (prompt plus output), tokens.
+        pd_ratio: Prompt tokens per output token (output = ceil(total / (1 + pd_ratio))).
+        trace: A trace to replay instead of the generator (Azure LLM trace columns
+            TIMESTAMP,ContextTokens,GeneratedTokens): its first ``requests`` rows, arrivals
+            rescaled to each QPS; a relative path is read from the config file's folder.
+    """
+
     model: Annotated[str, accepted(MODELS)] = "llama-3-8b"
     requests: Count = 1000
     qps: Positive | tuple[Positive, ...] = DEFAULT_QPS
@@ -69,6 +86,24 @@ class WorkloadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
 
 class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[serving]`` table: how prefill and decode GPUs serve requests around the KV transfer.
+
+    Keys:
+        mode: ``paper``: prefill and the first decode step are fixed offsets, no queueing (the
+            published experiment); ``queued``: one prefill at a time per prefill GPU and
+            ``decode_slots`` per decode GPU, first come first served.
+        gpu: The GPU whose latency profile prefill and decode take.
+        tp: Tensor parallelism: divides the latencies.
+        placement: How requests pick their prefill and decode GPUs: in turn, or at random.
+        decode_slots: ``queued``: requests a decode GPU serves at once.
+        prefill_base_ms: Overrides the profile's fixed prefill time, ms.
+        prefill_per_token_ms: Overrides the profile's prefill time per prompt token, ms.
+        decode_step_ms: Overrides the profile's decode step, ms.
+        kv_transfer: ``whole``: one gapless transfer per KV cache; ``per-layer``: one chunk per
+            model layer with ``layer_gap_us`` idle between chunks (then flowlets exist).
+        layer_gap_us: ``per-layer``: idle time between two layers' chunks, us.
+    """
+
     mode: Literal["paper", "queued"] = "paper"
     gpu: Annotated[str, accepted(GPUS)] = "a100"
     tp: Count = 1
@@ -101,6 +136,26 @@ class ServingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
 
 class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[network]`` table: ports, and the control plane that carries reservations.
+
+    Keys:
+        control_delay_us: One-way delay of a control message between two hosts, us; races
+            happen inside it.
+        control_jitter_us: Each control message's delay is off by up to this much, us.
+        dport: The destination port of KV flows (4791: RoCEv2); the ECMP hash includes it.
+        port_range: The source ports a host may pick from, ``LO-HI`` (49152-65535: the ports a
+            RoCEv2 flow label reaches).
+        clock_skew_us: Each host's clock is off by a uniform draw in [0, this), us (race
+            resolution compares timestamps).
+        control_path: ``separate``: a management network; ``data-fabric``: control messages
+            wait behind the data fabric's standing queues (``data_queue_kb``).
+        data_queue_kb: ``data-fabric``: the standing queue at every switch egress that data
+            keeps saturated, kB.
+        control: Who decides for the ARK schemes: every host on its replica (``broadcast``) or
+            one arbiter that each host asks (``arbiter``).
+        arbiter_rtt_us: ``arbiter``: a request's round trip host -> arbiter -> host, us.
+    """
+
     control_delay_us: NonNegative = 20.0
     control_jitter_us: NonNegative = 0.0
     dport: Port = 4791
@@ -137,7 +192,12 @@ class NetworkConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 
 
 class RunsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[experiment]`` table: which schemes and seeds a sweep runs."""
+    """The ``[experiment]`` table: which schemes and seeds a sweep runs.
+
+    Keys:
+        schemes: The load-balancing schemes to run, each on the same workloads.
+        seeds: A count N (seeds 0..N-1) or a list of seeds; each seed fixes one workload per QPS.
+    """
 
     schemes: tuple[Annotated[str, accepted(SCHEMES)], ...] = REPRODUCED
     seeds: int | tuple[int, ...] = 3  # a count N (seeds 0..N-1) or a list
@@ -155,7 +215,17 @@ class RunsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
 
 class ExperimentConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """A whole experiment file; ``ExperimentConfig()`` is the embedded default."""
+    """A whole experiment file; ``ExperimentConfig()`` is the embedded default.
+
+    Keys:
+        fabric: The fabric.
+        workload: The requests.
+        serving: Prefill and decode.
+        network: Ports and the control plane.
+        experiment: Schemes and seeds.
+        params: Per-scheme parameters.
+        failure: One link change during each run.
+    """
 
     fabric: FabricConfig = msgspec.field(default_factory=FabricConfig)
     workload: WorkloadConfig = msgspec.field(default_factory=WorkloadConfig)

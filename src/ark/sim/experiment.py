@@ -23,14 +23,16 @@ from ark.core.pathmap import PathMapCache
 from ark.core.topology import PATH_KINDS, Fabric
 from ark.sim.config import ExperimentConfig
 from ark.sim.engine import MAP_CACHE, FluidSim
+from ark.sim.report import about
 from ark.sim.serving import Placed
+from ark.sim.steady import RUN_KEYS, run_fields
 from ark.sim.workload import Request, ZipfWorkload, load_trace
 
 RECORD_KEYS = (
     "scheme", "qps", "seed", "requests", "offered_load", "flows_same_leaf", "flows_same_pod",
     "flows_cross_pod", "fct_mean_s", "fct_p50_s", "fct_p95_s",
     "fct_p99_s", "ttft_mean_s", "ttft_p95_s", "tpot_mean_s", "max_concurrent_per_spine",
-    "races", "fallbacks", "path_mismatches", "control_messages", "events",
+    "races", "fallbacks", "path_mismatches", "control_messages", "events", *RUN_KEYS,
 )
 TIMELINE_QPS = 25.0
 
@@ -194,6 +196,7 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
         "control_messages": res.control_messages,
         "events": res.events,
         **{k: getattr(res, k) for k in EXTRA_KEYS},
+        **run_fields([p.request.arrival_s for p in placed], [p.kv_start_s for p in placed], fcts),
     }
     if cfg.failure is not None:
         record.update(phase_fcts(cfg.failure.at_s, cfg.failure.window_s, [f.start_s for f in flows], fcts))
@@ -321,7 +324,7 @@ def write_results(out_dir: str | Path, sweep: Sweep, cfg: ExperimentConfig) -> l
     out.mkdir(parents=True, exist_ok=True)
     recs = [{k: r[k] for k in RECORD_KEYS} for r in sweep.records]
     paths = [out / "results.json", out / "results.csv"]
-    paths[0].write_text(json.dumps(recs, indent=1) + "\n")
+    paths[0].write_text(json.dumps({"about": about(cfg, sweep.records), "records": recs}, indent=1) + "\n")
     with paths[1].open("w", newline="") as fh:
         wr = csv.writer(fh)
         wr.writerow(RECORD_KEYS)

@@ -39,7 +39,16 @@ class FailureError(ValueError):
 
 
 class LinkChange(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The ``[failure]`` table: one leaf-spine link changes at ``at_s``."""
+    """The ``[failure]`` table: one leaf-spine link changes at ``at_s``.
+
+    Keys:
+        leaf: The link's leaf (0..leaves-1).
+        spine: The link's spine (0..spines-1).
+        at_s: When it changes, s after the run starts.
+        fraction: 0: the link fails; else its rate drops to this fraction.
+        detect_s: ARK hosts rebuild their path maps this long after a failure, s.
+        window_s: Flows that start within this of ``at_s`` count as "during" the change, s.
+    """
 
     leaf: Annotated[int, msgspec.Meta(ge=0)] = 0
     spine: Annotated[int, msgspec.Meta(ge=0)] = 0
