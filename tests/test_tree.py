@@ -63,3 +63,50 @@ def test_every_module_is_in_the_architecture_document() -> None:
         and ".".join(p.relative_to(SRC.parent).with_suffix("").parts) not in doc
     ]
     assert not missing, f"docs/architecture.md does not say what these hold: {missing}"
+
+
+def _imports_within(wing: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same wing it imports (type-only imports included)."""
+    graph: dict[str, set[str]] = {}
+    for p in (SRC / wing).glob("*.py"):
+        name = f"ark.{wing}.{p.stem}"
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            else:
+                continue
+            deps |= {m for m in mods if m.startswith(f"ark.{wing}.") and (SRC / wing / f"{m.split('.')[2]}.py").is_file()}
+        graph[name] = {".".join(d.split(".")[:3]) for d in deps} - {name}
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` ([] if none), by depth-first search."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return [*stack[stack.index(d):], d]
+            if d not in state and (found := visit(d)):
+                return found
+        stack.pop()
+        state[m] = 2
+        return []
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return []
+
+
+def test_no_import_circle_inside_the_simulator() -> None:
+    """Modules of the simulator's wing import each other one way only (a shared type lives
+    in a module of its own), type-only imports included."""
+    assert _circle(_imports_within("sim")) == []

@@ -18,6 +18,37 @@ def test_bench_scale_json_keys() -> None:
     assert r["flows_cross_pod"] >= 0.4 * 300  # a global scheduler's pairs cross the core
 
 
+def test_bench_scale_at_other_sizes_shows_progress() -> None:
+    p = ark("bench", "scale", "--scheme", "ecmp", "--gpus", "256", "--requests", "200", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert (r["gpus"], r["requests"], r["qps"]) == (256, 200, 350.0)
+    assert "200/200 flows finished" in p.stderr and "peak" in p.stderr
+    one_line_error(ark("bench", "scale", "--gpus", "200"), "gpus", "multiple of 128")
+    one_line_error(ark("bench", "scaling", "--gpus", "128,300"), "gpus", "multiple of 128")
+
+
+def test_bench_scaling_fits_and_plots(tmp_path) -> None:
+    plot = tmp_path / "scaling.png"
+    p = ark("bench", "scaling", "--scheme", "ecmp", "--gpus", "128,256", "--requests", "100,200", "--at-gpus", "128",
+            "--plot", str(plot), "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert sorted((x["gpus"], x["requests"]) for x in r["runs"]) == [(128, 100), (128, 200), (256, 100)]
+    assert {(f["against"], f["points"]) for f in r["exponents"]} == {("gpus", 2), ("requests", 2)}
+    assert plot.exists()
+
+
+def test_scaling_exponents_are_log_log_slopes() -> None:
+    from ark.sim.bench import scaling_exponents
+
+    rows = [{"scheme": "ark", "gpus": g, "requests": 10, "wall_s": 3.0 * g**1.5, "cpu_s": 2.0 * g, "peak_rss_mb": 50.0}
+            for g in (128, 256, 1024)]
+    (fit,) = scaling_exponents(rows)
+    assert fit["against"] == "gpus" and abs(fit["wall_exponent"] - 1.5) < 1e-9
+    assert abs(fit["cpu_exponent"] - 1.0) < 1e-9 and abs(fit["memory_exponent"]) < 1e-9
+
+
 def test_polarisation_json(tmp_path) -> None:
     p = ark("polarisation", "--pairs", "2", "--qps", "20", "--requests", "40", "--seeds", "1", "--out", str(tmp_path),
             "--jobs", "1", "--json")

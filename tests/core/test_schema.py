@@ -26,7 +26,7 @@ def test_fabric_dimensions_default_to_the_papers_when_some_are_given() -> None:
     ("table", "message"),
     [
         ({"preset": "paper", "leaves": 4}, "preset: give either a preset or leaves/spines/... , not both"),
-        ({"preset": "huge"}, "preset: must be one of paper, scale, clos3-small; got 'huge'"),
+        ({"preset": "huge"}, "preset: must be one of paper, scale, scale-8k, clos3-small; got 'huge'"),
         ({"leaves": 0}, "leaves: must be >= 1, got 0"),
         ({"leaves": True}, "leaves: must be an integer or absent; got True"),
         ({"link_gbps": math.inf}, "link_gbps: must be <= 1000000000000000; got inf"),

@@ -13,6 +13,7 @@ import pytest
 
 from ark.core.flows import FlowSpec
 from ark.core.topology import preset
+from ark.sim.arbiter_control import ArbiterControl
 from ark.sim.balancers import SchemeParams, SplitParams
 from ark.sim.config import ConfigError, from_dict
 from ark.sim.engine import FluidSim, SimError
@@ -125,8 +126,8 @@ def test_the_flow_starts_a_round_trip_after_it_arrives() -> None:
     assert arb.start_s == bcast.start_s == t0  # FCT counts from the arrival: the wait is in it
     assert arb.fct_s == pytest.approx(bcast.fct_s + rtt, abs=1e-12)
     assert arb.reserved and arb.path == bcast.path == 0
-    assert sim.arbiter is not None
-    table = sim.arbiter.arbiter.table
+    assert isinstance(sim.control_plane, ArbiterControl)
+    table = sim.control_plane.arbiter.table
     (flow,) = table.entries()
     entry = table.get(flow)
     assert entry is not None and entry.msg.ts == pytest.approx(t0 + rtt / 2, abs=1e-12)
@@ -160,8 +161,8 @@ def test_the_host_places_a_grant_as_an_agent_does() -> None:
     res = sim.run(flows)
     assert res.path_mismatches == 0
     assert [(f.reserved, f.fallback) for f in res.flows] == [(True, False)] + [(False, True)] * 3
-    assert sim.arbiter is not None
-    table = sim.arbiter.arbiter.table
+    assert isinstance(sim.control_plane, ArbiterControl)
+    table = sim.control_plane.arbiter.table
     entries = [table.get(f) for f in table.entries()]
     dropped = [e for e in entries if e is not None and e.path != 0]
     assert len(dropped) == 3 and all(e.released == pytest.approx(1.5 * rtt) for e in dropped)

@@ -9,13 +9,16 @@ rate computation can differ)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from ark.core.clos import clos3
 from ark.core.flows import FlowSpec
 from ark.core.pathmap import PathMapCache
-from ark.core.protocol import ArkCore, CoreError
+from ark.core.protocol import CoreError
+from ark.core.shared_table import SharedTableCore
 from ark.core.table import ReservationTable
 from ark.core.topology import preset, spine_leaf
 from ark.sim.engine import FluidSim, SimError
@@ -80,19 +83,19 @@ def test_a_shared_core_refuses_what_only_a_private_replica_does() -> None:
     fab = preset("paper")
     table = ReservationTable(fab)
     maps = PathMapCache(fab)
-    with pytest.raises(CoreError, match="same policy and no leases"):
-        ArkCore(0, fab, maps, policy="ark-balance", table=table)
-    with pytest.raises(CoreError, match="same policy and no leases"):
-        ArkCore(0, fab, maps, table=table, lease=lambda n, r: 1.0)
-    core = ArkCore(0, fab, maps, table=table)
+    core = SharedTableCore(0, table, maps)
+    assert core.policy == table.policy and core.reservations is table
     dec = core.request(8, 10**9, 0.0)
     assert core.pending == 1 and dec.flow not in table
     with pytest.raises(CoreError, match="shares its table"):
         core.receive(dec.messages[0], 0.0)
+    with pytest.raises(CoreError, match="not on a shared table"):
+        core.unreserve(dec.flow, 0.0)
+    assert core.tick(10.0) == [] and core.next_deadline() == math.inf  # the table's owner ticks the table
     with pytest.raises(CoreError, match="not a pending message"):
         core.delivered(dec.messages[0]._replace(ts=1.0))
     # a second host deciding before the first message arrives takes the same path
-    other = ArkCore(1, fab, maps, table=table)
+    other = SharedTableCore(1, table, maps)
     assert other.request(9, 10**9, 0.0).path == dec.path
     table.receive(dec.messages[0])
     assert core.delivered(dec.messages[0]) == [] and core.pending == 0 and dec.flow in table

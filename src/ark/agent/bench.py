@@ -418,7 +418,7 @@ def _idle_cpu_per_s(pid: int, seconds: float) -> float:
 
 
 def control_costs(seconds: float = 10.0, messages: int = 20_000, sizes: tuple[int, int] = (4, 12)) -> dict[str, Any]:
-    """The terms of the control-plane cost model (``ark.sim.control_plane.AgentCost``),
+    """The terms of the control-plane cost model (``ark.sim.control_cost.AgentCost``),
     measured here: CPU per received data message (:func:`per_message`), and from idle
     agents at two cluster sizes, a fixed base and the cost per peer heartbeat (one HELLO
     received and one sent). A published copy is taken to cost what a heartbeat costs

@@ -15,7 +15,6 @@ from ark.cli.common import (
     jobs_option,
     out,
     qps_list,
-    schemes_opt,
     seeds_option,
 )
 from ark.core.hashing import HASH_MODELS
@@ -96,35 +95,6 @@ def bench_compare(jobs: int | None, as_json: bool) -> None:
         f"right after: {r['reproduce_wall_s']:.1f} s (ratio {r['ratio_to_reproduce']:.2f}); events by scheme: "
         + ", ".join(f"{k} {v}" for k, v in r["events_by_scheme"].items()))
 
-
-@bench.command("scale")
-@schemes_opt("ark")
-@click.option("--requests", type=click.IntRange(min=1), default=100_000, show_default=True, help="Requests per run.")
-@click.option("--qps", type=FiniteRange(min=0, min_open=True), default=None,
-              show_default="1400, offered load about 0.76", help="Arrival rate.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
-def bench_scale(schemes: tuple[str, ...] | None, requests: int, qps: float | None, as_json: bool) -> None:
-    """1,024 GPUs (the 3-tier `scale` fabric): wall time, events/s and peak memory per scheme."""
-    from ark.sim.bench import SCALE_QPS
-    from ark.sim.bench import scale as bench_sc
-
-    res = bench_sc(schemes or ("ark",), requests, SCALE_QPS if qps is None else qps)
-    if as_json:
-        click.echo(json.dumps(res[0] if len(res) == 1 else res, indent=1))
-        return
-    t = Table(title=f"{res[0]['gpus']} GPUs x {requests} requests at QPS {res[0]['qps']:g} "
-                    f"(offered load {res[0]['offered_load']:.2f}, {res[0]['flows_cross_pod'] / requests:.1%} of the "
-                    "flows across pods), one process per scheme")
-    for c in ("scheme", "wall s", "CPU s", "events", "events/s", "peak RSS MB", "mean FCT s", "mismatches",
-              "baseline s"):
-        t.add_column(c, justify="right")
-    for r in res:
-        t.add_row(r["scheme"], f"{r['wall_s']:.1f}", f"{r['cpu_s']:.1f}", str(r["events"]), f"{r['events_per_s']:.0f}",
-                  f"{r['peak_rss_mb']:.0f}", f"{r['fct_mean_s']:.3f}", str(r["path_mismatches"]),
-                  f"{r['baseline_s']:.2f}")
-    out.print(t)
-    out.print("targets: <= 300 s wall on 2 cores and <= 4096 MB peak per scheme; baseline = one paper-fabric "
-              "run (ECMP, QPS 25) measured just before, to read the figures against the machine's load")
 
 @bench.command("idle")
 @click.option("--agents", type=click.IntRange(2, 64), default=16, show_default=True, help="Agent processes started.")
@@ -371,3 +341,13 @@ def bench_verbs(calls: int, rounds: int, as_json: bool) -> None:
     out.print(f"loaded but steering nothing (idle - plain, two processes): {res['preload_us']:+.3f} us; "
               f"target: < {res['target_us']} us per steered QP. The stand-in only records; a real "
               "ibv_modify_qp adds the driver's system call, the same with or without ARK.")
+
+
+def _add_scale_commands() -> None:
+    from ark.cli.scale import bench_scale, bench_scaling
+
+    bench.add_command(bench_scale)
+    bench.add_command(bench_scaling)
+
+
+_add_scale_commands()

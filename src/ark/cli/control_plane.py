@@ -11,7 +11,7 @@ import click
 from rich.table import Table
 
 from ark.cli.common import out
-from ark.sim.control_plane import AgentCost, ArbiterCost, ControlPlaneError, fabric_for, measure, table
+from ark.sim.control_cost import AgentCost, ArbiterCost, ControlPlaneError, fabric_for, measure, table
 
 TARGET_PERCENT = 5.0  # of one core per agent
 # Arbiter mode's targets at the largest any-to-any size.
@@ -44,7 +44,7 @@ def _cost(measure_now: bool, cost_json: str | None) -> tuple[AgentCost, str, dic
             raise click.BadParameter(f"{cost_json}: needs a JSON object with {', '.join(AgentCost.__dataclass_fields__)}"
                                      f" ({type(e).__name__}: {e})", param_hint="--cost") from None
     if not measure_now:
-        return AgentCost(), "built-in figures (ark.sim.control_plane.AgentCost)", None
+        return AgentCost(), "built-in figures (ark.sim.control_cost.AgentCost)", None
     from ark.agent.bench import control_costs
 
     measured = control_costs()
@@ -55,7 +55,7 @@ def _cost(measure_now: bool, cost_json: str | None) -> tuple[AgentCost, str, dic
 def _arbiter_cost(cost_json: str | None) -> tuple[ArbiterCost, str]:
     fields = ArbiterCost.__dataclass_fields__
     if not cost_json:
-        return ArbiterCost(), "built-in provisional figures (ark.sim.control_plane.ArbiterCost)"
+        return ArbiterCost(), "built-in provisional figures (ark.sim.control_cost.ArbiterCost)"
     try:
         terms = json.loads(Path(cost_json).read_text())
         return ArbiterCost(**{k: float(terms[k]) for k in fields}), cost_json

@@ -283,3 +283,40 @@ def race_window(rows: Sequence[dict[str, Any]], schemes: Sequence[str], out: Pat
     log_axis(axes[1])
     legend_outside(fig, axes[0])
     return _save(fig, out / "race_window.png", f"the race window: {placement}")
+
+
+def scaling(rows: Sequence[dict[str, Any]], out: Path) -> Path:
+    """CPU time, wall time and peak memory of the scale benchmark against GPUs (at each
+    request count run at several GPU counts) and against requests (at each GPU count run
+    with several)."""
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2))
+    for scheme in sorted({r["scheme"] for r in rows}):
+        mine = [r for r in rows if r["scheme"] == scheme]
+        for axis, fixed, ax in (("gpus", "requests", axes[0]), ("requests", "gpus", axes[1])):
+            for value in sorted({r[fixed] for r in mine}):
+                pts = sorted((r[axis], r["cpu_s"], r["wall_s"], r["peak_rss_mb"]) for r in mine if r[fixed] == value)
+                if len(pts) < 2:
+                    continue
+                label, color = f"{scheme}, {value:,} {fixed}", _style(scheme).get("color")
+                xs = [p[0] for p in pts]
+                ax.plot(xs, [p[1] for p in pts], marker="o", label=f"{label}: CPU s", color=color)
+                ax.plot(xs, [p[2] for p in pts], marker=".", linestyle="--", linewidth=0.8, alpha=0.6,
+                        label=f"{label}: wall s", color=color)
+                ax.plot(xs, [p[3] for p in pts], marker="s", linestyle=":", label=f"{label}: peak MB", color=color)
+                ax.set_xticks(xs)
+    for ax, label in ((axes[0], "GPUs"), (axes[1], "requests")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(label)
+        ax.set_ylabel("seconds (CPU, wall) / peak memory (MB)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(frameon=False, fontsize=6.5)
+    fig.suptitle("the fluid simulator's cost: 3-tier pods of 128 GPUs, offered load about 0.76")
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    plt.close(fig)
+    return out

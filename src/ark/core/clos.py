@@ -49,6 +49,9 @@ CLOS_PRESETS: dict[str, dict[str, object]] = {
     # The fabric of the scale benchmark: 1,024 GPUs, 2:1 at the leaves, 1:1 above, 100 Gbit/s links.
     "scale": dict(pods=8, leaves_per_pod=4, aggs_per_pod=16, cores_per_plane=4, gpus_per_leaf=32,
                   nic_gbps=100.0, oversubscription=(2.0, 1.0)),
+    # The same pods, 64 of them: 8,192 GPUs (the large run of the scale benchmark).
+    "scale-8k": dict(pods=64, leaves_per_pod=4, aggs_per_pod=16, cores_per_plane=4, gpus_per_leaf=32,
+                     nic_gbps=100.0, oversubscription=(2.0, 1.0)),
     # Small enough for network namespaces: 16 hosts, 4 paths between pods.
     "clos3-small": dict(pods=2, leaves_per_pod=2, aggs_per_pod=2, cores_per_plane=2, gpus_per_leaf=4,
                         nic_gbps=100.0, oversubscription=(2.0, 1.0)),

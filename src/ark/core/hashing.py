@@ -211,6 +211,22 @@ class Murmur3Hpcc(HashModel):
             h0 = (hs * 5 + 0xE6546B64) & _M32
         return h0
 
+    @staticmethod
+    def _mix_block(k: int) -> int:
+        k = (k * _C1) & _M32
+        k = ((k << 15) | (k >> 17)) & _M32
+        return (k * _C2) & _M32
+
+    @classmethod
+    def _prefixes(cls, seeds: npt.NDArray[np.int64], src_ip: int, dst_ip: int) -> npt.NDArray[np.uint32]:
+        """:meth:`_prefix` of many seeds at once (uint32 arithmetic wraps as the scalar's masks do)."""
+        h0 = (seeds & _M32).astype(np.uint32)
+        for k in (src_ip, dst_ip):
+            hs = h0 ^ np.uint32(cls._mix_block(k))
+            hs = (hs << np.uint32(13)) | (hs >> np.uint32(19))
+            h0 = hs * np.uint32(5) + np.uint32(0xE6546B64)
+        return h0
+
     def hash_ports(
         self,
         seed: Seeds,
@@ -220,22 +236,27 @@ class Murmur3Hpcc(HashModel):
         sports: npt.ArrayLike,
         proto: int = 17,
     ) -> UintArray:
+        # Array arithmetic in uint32 wraps without warnings: the scalar's "& _M32" for free.
         sp = np.asarray(sports, dtype=np.uint32)
-        h0 = _per_seed(seed, lambda s: self._prefix(s, src_ip, dst_ip)).astype(np.uint32)
-        with np.errstate(over="ignore"):
-            k2 = sp | U32((dport << 16) & _M32)
-            k2 = k2 * U32(_C1)
-            k2 = (k2 << U32(15)) | (k2 >> U32(17))
-            k2 = k2 * U32(_C2)
-            h = h0 ^ k2
-            h = (h << U32(13)) | (h >> U32(19))
-            h = h * U32(5) + U32(0xE6546B64)
-            h ^= U32(12)
-            h ^= h >> U32(16)
-            h = h * U32(0x85EBCA6B)
-            h ^= h >> U32(13)
-            h = h * U32(0xC2B2AE35)
-            h ^= h >> U32(16)
+        if isinstance(seed, int):
+            h0: np.uint32 | npt.NDArray[np.uint32] = np.uint32(self._prefix(seed, src_ip, dst_ip))
+        else:
+            per_switch, which = seed
+            h0 = self._prefixes(np.asarray(per_switch, dtype=np.int64), src_ip, dst_ip)[which]
+        k2 = sp | np.uint32((dport << 16) & _M32)
+        k2 *= np.uint32(_C1)
+        k2 = (k2 << np.uint32(15)) | (k2 >> np.uint32(17))
+        k2 *= np.uint32(_C2)
+        h = h0 ^ k2
+        h = (h << np.uint32(13)) | (h >> np.uint32(19))
+        h *= np.uint32(5)
+        h += np.uint32(0xE6546B64)
+        h ^= np.uint32(12)
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
         return h.astype(np.uint64)
 
 

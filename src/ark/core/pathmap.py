@@ -3,6 +3,13 @@
 A :class:`PathMap` says, for one (source, destination, destination port), which source
 ports the fabric's switches send over each equal-cost path. :class:`PortBuckets` hands
 ports out of a map without giving a port that is still in use towards the same peer.
+
+A :class:`LazyPathMap` is the same map of a fabric, hashed a chunk of ports at a time and
+only as far as the questions asked need (a simulation of thousands of hosts touches a map
+per host pair and mostly asks it for one port): the first ports of a path, the paths some
+port reaches (found within a few hundred ports unless some path is unreachable), the path
+of one port (the switches' own hash). Every answer equals the full map's; both satisfy
+:class:`PortMap`, what :class:`PortBuckets` and the cores read.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ import ipaddress
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -92,6 +100,15 @@ class PathMap:
         if not lo <= port <= hi:
             raise PathMapError(f"port {port} outside the map's range {lo}-{hi}")
         return int(self._lookup[port - lo])
+
+    @property
+    def usable_mask(self) -> int:
+        """Bit k set: some source port reaches path k."""
+        return sum(1 << k for k, b in enumerate(self.buckets) if len(b))
+
+    def ports_of(self, path: int, need: int | None = None) -> list[int]:
+        """The ports of ``path`` in order (a full map always gives them all)."""
+        return list(self.buckets[path].tolist())
 
     def static_ports(self) -> list[int]:
         """One source port per path (the bucket's first; -1 if no port reaches it)."""
@@ -284,6 +301,124 @@ def _hop_members(
     return member
 
 
+class PortMap(Protocol):
+    """What :class:`PortBuckets` and a core read of a map (:class:`PathMap`, :class:`LazyPathMap`)."""
+
+    @property
+    def paths(self) -> int: ...
+
+    @property
+    def port_range(self) -> tuple[int, int]: ...
+
+    @property
+    def sampled(self) -> bool: ...
+
+    @property
+    def buckets(self) -> tuple[npt.NDArray[np.int64], ...]: ...
+
+    @property
+    def usable_mask(self) -> int: ...
+
+    def path_of(self, port: int) -> int: ...
+
+    def ports_of(self, path: int, need: int | None = None) -> list[int]: ...
+
+    def known_ports(self) -> npt.NDArray[np.int64]: ...
+
+
+class LazyPathMap:
+    """:func:`fabric_pathmap`'s map, hashed ``CHUNK`` ports at a time, in port order, as
+    far as each question needs (see the module docstring)."""
+
+    CHUNK = 512
+    sampled = False
+
+    def __init__(self, fabric: Fabric, src: int, dst: int, dport: int = 4791,
+                 port_range: tuple[int, int] = ROCE_PORT_RANGE, proto: int = 17) -> None:
+        check_port_range(port_range)
+        if not 0 <= dport <= 0xFFFF:
+            raise PathMapError(f"dport: must be 0..65535, got {dport}")
+        self._fabric, self._src, self._dst, self._dport, self._proto = fabric, src, dst, dport, proto
+        self._hops = fabric.ecmp_hops(src, dst)
+        self._n = fabric.n_paths(src, dst)
+        self._range = port_range
+        self._next = port_range[0]  # the first port not hashed yet
+        self._lut = np.empty(port_range[1] - port_range[0] + 1, dtype=np.int16)  # valid below _next
+        self._lists: list[list[int] | None] = [None] * self._n  # per path, up to _next (made when asked)
+        self._seen = 0  # bit k: a port of path k is known
+
+    @property
+    def paths(self) -> int:
+        return self._n
+
+    @property
+    def port_range(self) -> tuple[int, int]:
+        return self._range
+
+    @property
+    def complete(self) -> bool:
+        return self._next > self._range[1]
+
+    def _scan(self) -> None:
+        """Hash the next chunk of ports, exactly as :func:`fabric_pathmap` hashes them all."""
+        fab, hops, lo = self._fabric, self._hops, self._next
+        hi = min(self._range[1], lo + self.CHUNK - 1)
+        ports = np.arange(lo, hi + 1, dtype=np.int64)
+        s_ip, d_ip = fab.hosts[self._src].ip_int, fab.hosts[self._dst].ip_int
+        if len(hops) <= 1:
+            first = fab.source_switch(self._src)
+            model = hash_model(first.hash)
+            path = select_many(model.hash_ports(first.seed, s_ip, d_ip, self._dport, ports, self._proto), self._n,
+                               first.selection, model.bits)
+        else:
+            path = np.zeros(len(ports), dtype=np.int64)
+            for hop in hops:
+                path = path * hop.members + _hop_members(hop, path, s_ip, d_ip, self._dport, ports, self._proto)
+        base = self._range[0]
+        self._lut[lo - base:hi - base + 1] = path
+        for k in np.flatnonzero(np.bincount(path, minlength=self._n)).tolist():
+            self._seen |= 1 << k
+        self._lists = [None] * self._n
+        self._next = hi + 1
+
+    @property
+    def usable_mask(self) -> int:
+        every = (1 << self._n) - 1
+        while self._seen != every and not self.complete:
+            self._scan()
+        return self._seen
+
+    def ports_of(self, path: int, need: int | None = None) -> list[int]:
+        """The ports of ``path`` in order: at least ``need`` of them, or all there are
+        (``need`` None: all). The list grows in place as later questions hash on."""
+        lst = self._lists[path]
+        while lst is None or ((need is None or len(lst) < need) and not self.complete):
+            if lst is not None:
+                self._scan()
+            base = self._range[0]
+            lst = self._lists[path] = (np.flatnonzero(self._lut[:self._next - base] == path) + base).tolist()
+        return lst
+
+    def path_of(self, port: int) -> int:
+        lo, hi = self._range
+        if not lo <= port <= hi:
+            raise PathMapError(f"port {port} outside the map's range {lo}-{hi}")
+        if port >= self._next:  # not hashed yet: the switches' own hash, port by port
+            return switch_path(self._fabric, self._src, self._dst, port, self._dport, self._proto)
+        return int(self._lut[port - lo])
+
+    @property
+    def buckets(self) -> tuple[npt.NDArray[np.int64], ...]:
+        return tuple(np.asarray(self.ports_of(k), dtype=np.int64) for k in range(self._n))
+
+    def static_ports(self) -> list[int]:
+        """One source port per path (its first; -1 if no port reaches it)."""
+        return [lst[0] if (lst := self.ports_of(k, 1)) else -1 for k in range(self._n)]
+
+    def known_ports(self) -> npt.NDArray[np.int64]:
+        return np.sort(np.concatenate(self.buckets)) if self._n else np.zeros(0, dtype=np.int64)
+
+
 def pathmap_filename(src: str, dst: str, dport: int) -> str:
     """The file a map for host ``src`` -> host ``dst`` (names) is saved under."""
     return f"{src}__{dst}__{dport}.json"
@@ -297,19 +432,21 @@ class PathMapCache:
     files again (after a refresh rewrote them). With ``capacity``, only that many maps
     stay, the least recently used going first (a simulation of a thousand hosts touches
     far more pairs than it can keep; a map is a function of the fabric, so computing it
-    again gives the same map).
+    again gives the same map). With ``lazy``, a map the fabric's hash model gives is a
+    :class:`LazyPathMap` (a simulator's choice: the same answers for a fraction of the hashing).
     """
 
     def __init__(
         self, fabric: Fabric, port_range: tuple[int, int] = ROCE_PORT_RANGE, directory: str | Path | None = None,
-        capacity: int | None = None,
+        capacity: int | None = None, lazy: bool = False,
     ) -> None:
         if capacity is not None and capacity < 1:
             raise PathMapError(f"capacity: must be >= 1 or None; got {capacity}")
         self.fabric, self.port_range = fabric, port_range
         self.directory = None if directory is None else Path(directory)
         self.capacity = capacity
-        self._maps: dict[tuple[int, int, int], PathMap] = {}
+        self.lazy = lazy
+        self._maps: dict[tuple[int, int, int], PathMap | LazyPathMap] = {}
 
     def file_for(self, src: int, dst: int, dport: int) -> Path | None:
         if self.directory is None:
@@ -325,7 +462,7 @@ class PathMapCache:
         for key in [k for k in self._maps if k[2] == dport]:
             del self._maps[key]
 
-    def __call__(self, src: int, dst: int, dport: int) -> PathMap:
+    def __call__(self, src: int, dst: int, dport: int) -> PathMap | LazyPathMap:
         key = (src, dst, dport)
         maps = self._maps
         m = maps.get(key)
@@ -337,14 +474,16 @@ class PathMapCache:
             maps[key] = maps.pop(key)
         return m
 
-    def peek(self, src: int, dst: int, dport: int) -> PathMap:
+    def peek(self, src: int, dst: int, dport: int) -> PathMap | LazyPathMap:
         """The map, without keeping a new one (a one-off question must not grow the cache)."""
         m = self._maps.get((src, dst, dport))
         return m if m is not None else self._load(src, dst, dport)
 
-    def _load(self, src: int, dst: int, dport: int) -> PathMap:
+    def _load(self, src: int, dst: int, dport: int) -> PathMap | LazyPathMap:
         path = self.file_for(src, dst, dport)
         if path is None or not path.is_file():
+            if self.lazy:
+                return LazyPathMap(self.fabric, src, dst, dport, self.port_range)
             return fabric_pathmap(self.fabric, src, dst, dport, self.port_range)
         m = PathMap.load(path)
         want = self.fabric.n_paths(src, dst)
@@ -374,19 +513,19 @@ class PortBuckets:
     previous one).
     """
 
-    def __init__(self, pathmap: PathMap) -> None:
+    def __init__(self, pathmap: PortMap) -> None:
         self.map = pathmap
-        # A path's ports as a list (list indexing beats numpy's), made when first needed.
+        # A path's ports as a list (list indexing beats numpy's), made when first needed;
+        # from a lazy map, as many as the walk has needed so far.
         self._lists: list[list[int] | None] = [None] * pathmap.paths
         self._cursor = [0] * pathmap.paths
         self.in_use: set[int] = set()
         # Bit k set: some source port reaches path k.
-        self.usable_mask = sum(1 << k for k, b in enumerate(pathmap.buckets) if len(b))
+        self.usable_mask = pathmap.usable_mask
 
     def _list(self, path: int) -> list[int]:
-        lst = self._lists[path]
-        if lst is None:
-            lst = self._lists[path] = self.map.buckets[path].tolist()
+        """Every port of ``path``."""
+        lst = self._lists[path] = self.map.ports_of(path)
         return lst
 
     @property
@@ -401,8 +540,10 @@ class PortBuckets:
         self._cursor = list(value)
 
     def take(self, path: int) -> int:
-        bucket = self._lists[path] or self._list(path)
+        bucket = self._lists[path]
         c = self._cursor[path]
+        if bucket is None or len(bucket) <= c + 1:  # the port at the cursor, and whether it is the last
+            bucket = self._lists[path] = self.map.ports_of(path, c + 2)
         if bucket and bucket[c % len(bucket)] not in self.in_use:  # the usual case: the next port is free
             port: int = bucket[c % len(bucket)]
             self._cursor[path] = (c + 1) % len(bucket)

@@ -61,18 +61,9 @@ Requests (owner side)
 The table itself (messages, holders, recomputation) is :class:`ark.core.table.ReservationTable`;
 :class:`ArkCore` adds what belongs to one host: its flows, source ports and decisions.
 
-Sharing one table
------------------
-Replicas that hold the same messages hold the same table. A simulator whose every host
-receives every message after the same delay can therefore give all cores one table
-(``table=``) that receives each message once, at its delivery: the table is then exactly
-what every host holds *except* for its own messages still on their way to the others. A
-core keeps those (``pending``) and judges its decisions and its own pending reservations
-against "the table plus my pending messages", with the same rules (:meth:`ReservationTable.assign`)
-and the same key order, so each host decides and re-paths exactly as it would with a
-private replica, at the same instants. The owner of the table tells the sender when its
-message has reached the table (:meth:`ArkCore.delivered`) and every host whose flows a
-table change touched (:meth:`ArkCore.sync`, :meth:`ArkCore.resync`).
+A simulator whose hosts all hear every message after the same delay can give every
+host one shared table instead of a replica each: :class:`ark.core.shared_table.SharedTableCore`
+is that host's core (the simulator's alone; no agent uses it).
 """
 
 from __future__ import annotations
@@ -82,8 +73,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from ark.core.messages import FlowId, Key, Message, Release, Renew, Reserve
-from ark.core.pathmap import PathMap, PathMapError, PortBuckets
+from ark.core.messages import FlowId, Message, Release, Renew, Reserve
+from ark.core.pathmap import PathMapError, PortBuckets, PortMap
 from ark.core.roce import flow_label_for_sport
 from ark.core.table import (
     INF,
@@ -95,7 +86,6 @@ from ark.core.table import (
     Entry,
     ReservationTable,
     Routes,
-    backlog,
     deadline_after,
     least_backlogged,
 )
@@ -105,7 +95,7 @@ __all__ = [
     "Routes", "deadline_after",
 ]
 
-PathMaps = Callable[[int, int, int], PathMap]  # (src, dst, dport) -> map
+PathMaps = Callable[[int, int, int], PortMap]  # (src, dst, dport) -> map
 LeaseFn = Callable[[int, float], float]  # (nbytes, path rate bps) -> lease seconds
 
 # Why a flow holds no reservation (Decision.why): the flow then goes out as plain ECMP.
@@ -172,8 +162,6 @@ class Released(NamedTuple):
 class ArkCore:
     """One host's replica of the reservation table plus its local flows.
 
-    ``table``: share this table with other cores (see "Sharing one table" above) instead
-    of keeping a private one; such a core takes no leases and receives no messages itself.
     ``bookkeeping_grid``: wake for bookkeeping on a grid rather than once per flow end
     (:meth:`ark.core.table.ReservationTable.next_deadline`); lease expiries stay exact.
     """
@@ -190,7 +178,6 @@ class ArkCore:
         lease: LeaseFn | None = None,
         expiry_grace_s: float = 0.25,
         seq_base: int = 0,
-        table: ReservationTable | None = None,
         max_idle_peers: int | None = None,
         limits: CoreLimits | None = None,
         bookkeeping_grid: bool = False,
@@ -203,19 +190,14 @@ class ArkCore:
             raise CoreError(f"seq_base: must be 0..2**62-1; got {seq_base}")
         if max_idle_peers is not None and max_idle_peers < 0:
             raise CoreError(f"max_idle_peers: must be >= 0 or None; got {max_idle_peers}")
-        if table is not None and (table.policy != policy or lease is not None):
-            raise CoreError("table: a shared table needs the same policy and no leases")
         self.host = host
         self.routes = routes
         self._n_hosts = routes.n_hosts
         self.policy = policy
         self.counters = Counters()
-        self._shared = table is not None
-        self.limits = limits or (table.limits if table is not None else CoreLimits.unbounded())
+        self.limits = limits or CoreLimits.unbounded()
         self._owner_retained = self.limits.owner_retained  # read on every request (see _capped)
-        self._table = table if table is not None else ReservationTable(
-            routes, policy=policy, retention_s=retention_s, expiry_grace_s=expiry_grace_s, counters=self.counters,
-            limits=self.limits, bookkeeping_grid=bookkeeping_grid)
+        self._table = self._new_table(retention_s, expiry_grace_s, bookkeeping_grid)
         self.retention_s = self._table.retention_s
         self.expiry_grace_s = self._table.expiry_grace_s
         self.purge_slack_s = self._table.purge_slack_s
@@ -236,15 +218,17 @@ class ArkCore:
         self._cursors: dict[tuple[int, int], tuple[int, ...]] = {}
         self._rates: dict[tuple[int, int], float] = {}
         self._sids: dict[int, tuple[int, ...]] = {}  # per destination: the table's stage ids
-        # Shared table only: our messages it has not received yet, and our view of the
-        # reservations among them.
-        self._pending: list[Message] = []
-        self._overlay: dict[FlowId, Entry] = {}
         self._dports: dict[int, None] = {}  # destination ports in use, least recent first
         self._settled: list[Repath] = []  # changes a deferred recomputation made, not yet returned
         self._handlers: dict[type, Callable[[Any], list[Repath]]] = {
             Reserve: self._on_reserve, Release: self._on_release, Renew: self._on_renew,
         }
+
+    def _new_table(self, retention_s: float, expiry_grace_s: float, bookkeeping_grid: bool) -> ReservationTable:
+        """This host's replica (a core on a shared table hands back that table instead)."""
+        return ReservationTable(self.routes, policy=self.policy, retention_s=retention_s,
+                                expiry_grace_s=expiry_grace_s, counters=self.counters, limits=self.limits,
+                                bookkeeping_grid=bookkeeping_grid)
 
     @property
     def reservations(self) -> ReservationTable:
@@ -304,11 +288,7 @@ class ArkCore:
         if capped or not reserve:
             return self._ecmp(flow, dst, dport, buckets, capped or why)
         usable = buckets.usable_mask & ~avoid or buckets.usable_mask if avoid else buckets.usable_mask
-        if prefer_port is None and not self._pending:  # the usual request: the stage masks answer
-            sids = self._sids.get(dst) or self._stage_ids(dst)
-            path, pinned = self._table.lowest_free(sids, n, usable), None
-        else:
-            path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
+        path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
         shared = False
         if path is None:
             self.counters.fallbacks += 1
@@ -414,14 +394,8 @@ class ArkCore:
         return free_path, None
 
     def _lowest_free(self, dst: int, n: int, usable: int, now: float) -> int | None:
-        if not self._pending:  # the table is our whole view: its stage masks answer
-            return self._table.lowest_free(self._sids.get(dst) or self._stage_ids(dst), n, usable)
-        stages = self._table.stage_list(self.host, dst)
-        key = (now, self.host, self._seq + 1)  # after everything we sent
-        for k in range(n):
-            if usable >> k & 1 and not any(self._view_held(st[k], key, now) for st in stages):
-                return k
-        return None
+        """The lowest free path of ``usable`` in this core's view (the table's stage masks answer)."""
+        return self._table.lowest_free(self._sids.get(dst) or self._stage_ids(dst), n, usable)
 
     def _stage_ids(self, dst: int) -> tuple[int, ...]:
         sids = self._sids[dst] = self._table.pair_sids(self.host, dst)
@@ -445,17 +419,7 @@ class ArkCore:
         self._own[flow] = _Own(flow, dst, dport, path, port, True)
         self._unreleased.add(flow)
         self.counters.reserved += 1
-        if self._shared:
-            self._pending.append(msg)
-            self._overlay[flow] = Entry(msg, expires=msg.expires)
-            changes = self.resync()
-        else:
-            inserted = self._table.insert(msg)
-            entry = self._table.get(flow)
-            if inserted == [flow] and entry is not None and entry.path == path and entry.held:
-                changes = self.flush()  # the common case: it alone changed, and holds the path it asked for
-            else:
-                changes = [*self.sync(inserted), *self.flush()]
+        changes = self._record_reserve(msg)
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
         # recomputation may move other local flows: report those as events.
         events = tuple(e for e in changes if e.flow != flow) if changes else ()
@@ -490,9 +454,18 @@ class ArkCore:
         msg = Release(flow, float(now))
         if entry is None or entry.released is not None or msg.ts < entry.msg.ts:
             return Released((), tuple(self.flush()))
-        if self._shared:
-            self._pending.append(msg)
-            return Released((msg,), tuple(self.resync()))
+        return self._record_release(msg)
+
+    def _record_reserve(self, msg: Reserve) -> list[Repath]:
+        """Our new reservation into the table; the local flows it changed."""
+        inserted = self._table.insert(msg)
+        entry = self._table.get(msg.flow)
+        if inserted == [msg.flow] and entry is not None and entry.path == msg.path and entry.held:
+            return self.flush()  # the common case: it alone changed, and holds the path it asked for
+        return [*self.sync(inserted), *self.flush()]
+
+    def _record_release(self, msg: Release) -> Released:
+        """Our RELEASE into the table: what to broadcast, and the local flows it changed."""
         self.sync(self._table.apply_release(msg))
         return Released((msg,), tuple(self.flush()))
 
@@ -506,8 +479,6 @@ class ArkCore:
         own = self._own.get(flow)
         if own is None:
             raise CoreError(f"flow: {flow} is not an active local flow")
-        if self._shared:
-            raise CoreError("unreserve: not on a shared table")
         self._settle()
         entry = self._table.get(flow)
         own.reserved = False
@@ -566,8 +537,6 @@ class ArkCore:
         ``defer``: leave a forced re-evaluation for :meth:`flush` (a batch of messages
         then costs one); the changes come back from that call instead.
         """
-        if self._shared:
-            raise CoreError("receive: this core shares its table; the table receives the messages")
         self.counters.received += 1
         if sender is not None and msg.flow[0] != sender:
             self.counters.invalid += 1
@@ -602,10 +571,7 @@ class ArkCore:
         """Let time pass: expire leases, forget old reservations.
 
         Returns changes to local flows whose lease ran out (they no longer hold a path).
-        A core on a shared table has no timers: the table's owner ticks the table.
         """
-        if self._shared:
-            return []
         self._settle()
         events: list[Repath] = self.flush()
         for flow in self._table.tick(now):
@@ -615,7 +581,7 @@ class ArkCore:
 
     def next_deadline(self) -> float:
         """The earliest instant at which :meth:`tick` has work (``inf``: none)."""
-        return INF if self._shared else self._table.next_deadline()
+        return self._table.next_deadline()
 
     def flush(self) -> list[Repath]:
         """Apply what received messages deferred; changes to local flows since the last flush.
@@ -633,45 +599,11 @@ class ArkCore:
 
     def _settle(self) -> None:
         """Run the table's deferred recomputation; keep what it moved for the next flush().
-        (A shared table's owner settles it and tells each core itself.)"""
-        if not self._shared and self._table.dirty:
+        """
+        if self._table.dirty:
             changed = self._table.take_changed()
             if changed is None or changed:
                 self._settled.extend(self.sync(changed))
-
-    # ------------------------------------------------------------------ shared table
-    def delivered(self, msg: Message) -> list[Repath]:
-        """The shared table has received our pending message ``msg``."""
-        try:
-            self._pending.remove(msg)
-        except ValueError:
-            raise CoreError(f"delivered: {msg!r} is not a pending message of this core") from None
-        events: list[Repath] = []
-        if isinstance(msg, Reserve):
-            del self._overlay[msg.flow]
-            events.extend(self._sync_own(msg.flow))
-        events.extend(self.resync())
-        return events
-
-    @property
-    def pending(self) -> int:
-        """Messages of ours the shared table has not received yet."""
-        return len(self._pending)
-
-    def resync(self) -> list[Repath]:
-        """Judge our pending reservations again against the table plus our pending messages
-        (after the table changed); report the local flows that moved."""
-        events: list[Repath] = []
-        for m in self._pending:
-            if isinstance(m, Reserve):
-                e = self._overlay[m.flow]
-                e.path, e.shared = self._table.assign(m, self._held_before(m))
-                e.held = e.path is not None
-                events.extend(self._sync_own(m.flow))
-        return events
-
-    def _held_before(self, m: Reserve) -> Callable[[int], bool]:
-        return lambda lk: self._view_held(lk, m.key, m.ts)
 
     def sync(self, flows: Changed | Iterable[FlowId]) -> list[Repath]:
         """Bring the listed local flows (None: all of them) in line with the table."""
@@ -682,34 +614,10 @@ class ArkCore:
         return events
 
     def _entry(self, flow: FlowId) -> Entry | None:
-        e = self._overlay.get(flow) if self._overlay else None
-        return e if e is not None else self._table.get(flow)
-
-    def _gone_at(self, ts: float) -> set[FlowId]:
-        """Our flows whose pending RELEASE says they hold nothing at ``ts``."""
-        return {m.flow for m in self._pending if isinstance(m, Release) and m.ts <= ts}
-
-    def _view_held(self, lk: int, key: Key, ts: float) -> bool:
-        """Is ``lk`` held at ``ts`` by a smaller key than ``key``, in the table plus our pending messages?"""
-        gone = self._gone_at(ts)
-        table = self._table
-        for g in table.holders(lk):
-            e = table.get(g)
-            if e is not None and e.msg.key < key and e.end > ts and g not in gone:
-                return True
-        for f, e in self._overlay.items():
-            if e.path is not None and e.msg.key < key and f not in gone and lk in table.links(e.msg, e.path):
-                return True
-        return False
+        return self._table.get(flow)
 
     def _view_backlog(self, lk: int, now: float) -> float:
-        if not self._pending:
-            return self._table.link_backlog(lk, now)
-        gone = self._gone_at(now)
-        msgs = [e.msg for g in self._table.holders(lk) if g not in gone and (e := self._table.get(g)) is not None]
-        msgs += [e.msg for f, e in self._overlay.items()
-                 if e.path is not None and f not in gone and lk in self._table.links(e.msg, e.path)]
-        return backlog(msgs, now)
+        return self._table.link_backlog(lk, now)
 
     # ------------------------------------------------------------------ table views
     def frozen(self) -> dict[FlowId, tuple[int | None, bool]]:

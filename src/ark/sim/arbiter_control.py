@@ -26,14 +26,16 @@ everyone, driven through its bytes API exactly as ``ark arbiter`` drives it:
 One decider stamps its decisions in increasing order, so no decision ever moves an earlier
 one: there are no races. :attr:`ArbiterControl.races` still checks it, granted path
 against the arbiter's table, when each flow ends. Not modelled: arbiter failure and
-takeover, request loss, the arbiter's service time and queueing (``ark.sim.control_plane``
+takeover, request loss, the arbiter's service time and queueing (``ark.sim.control_cost``
 costs those), link failures (the hosts would have to ask again).
+
+It answers the calls of every control plane (:mod:`ark.sim.control`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from ark.core import arbiter_wire as w
@@ -41,12 +43,11 @@ from ark.core.arbiter import Arbiter, ArbiterLimits, LeaseFn
 from ark.core.flows import FlowSpec
 from ark.core.messages import FlowId
 from ark.core.node import MAX_SPLIT_PARTS
-from ark.core.pathmap import PathMap
-from ark.core.protocol import ArkCore, Decision
+from ark.core.protocol import ArkCore, Decision, PathMaps
 from ark.core.topology import Fabric
+from ark.sim.control import Counters, Loop, Part
 from ark.sim.transfer import Transfer
 
-CONTROLS = ("broadcast", "arbiter")
 MAX_ASK_PARTS = MAX_SPLIT_PARTS  # parts one Ask may carry (the wire format's bound too)
 # The simulator measures placement, not admission: no host may be rate limited or capped.
 SIM_LIMITS = ArbiterLimits(max_flows_per_host=1 << 20, rate_per_host=1e9, burst_per_host=1 << 20)
@@ -65,23 +66,6 @@ def unsupported(*, jitter_s: float, skew_s: float, control_on_data: bool, link_d
     if parts > MAX_ASK_PARTS:
         return f"grants at most {MAX_ASK_PARTS} parts per request; params.split.parts is {parts}"
     return ""
-
-
-class Part(NamedTuple):
-    """One sub-flow as the host starts it."""
-
-    flow: FlowId  # the arbiter's id (the host's own when the arbiter granted nothing)
-    path: int  # the granted path (-1: not reserved, the switches decide)
-    port: int
-    reserved: bool
-    fallback: bool  # no free path: shared (ark-balance, ark-split) or plain ECMP; as a core counts it
-
-
-class Granted(NamedTuple):
-    """A flow whose grant is back at its host: it starts now on these parts."""
-
-    flow: FlowSpec
-    parts: list[Part]
 
 
 class _Ask(NamedTuple):
@@ -104,24 +88,22 @@ class _Tick(NamedTuple):
     pass
 
 
-Event = _Ask | _Grant | _Drop | _Tick
-
-
 class ArbiterControl:
     """One arbiter and the hosts' side of it, for one run of :class:`ark.sim.engine.FluidSim`.
 
-    ``schedule(t, event)`` puts an event on the simulator's heap, which hands it back to
-    :meth:`on_event` at ``t``; ``pending()`` is the number of flows not yet finished (the
-    arbiter's timer is armed only while some remain, or the run would never end).
+    Its events go on the loop's heap (:meth:`Loop.control_at`), which hands them back to
+    :meth:`on_event`; the arbiter's timer is armed only while flows remain
+    (:attr:`Loop.pending`), or the run would never end.
     """
 
+    name = "arbiter"
+
     def __init__(
-        self, fabric: Fabric, policy: str, pathmaps: Callable[[int, int, int], PathMap], *, rtt_s: float, dport: int,
-        parts: int, host_seeds: Sequence[int], retention_s: float, lease: LeaseFn | None,
-        schedule: Callable[[float, Event], None], pending: Callable[[], int], start_s: float,
+        self, fabric: Fabric, policy: str, pathmaps: PathMaps, loop: Loop, *, rtt_s: float, dport: int,
+        parts: int, host_seeds: Sequence[int], retention_s: float, lease: LeaseFn | None, start_s: float,
     ) -> None:
         self.rtt, self.dport, self.parts = rtt_s, dport, parts
-        self._schedule, self._pending = schedule, pending
+        self._loop = loop
         self.arbiter = Arbiter(fabric, policy=policy, lease=lease, limits=SIM_LIMITS, retention_s=retention_s,
                                heartbeat_s=LONE_HEARTBEAT_S, takeover_s=2 * LONE_HEARTBEAT_S)
         self.arbiter.start(start_s)
@@ -135,29 +117,30 @@ class ArbiterControl:
         self.requests = 0  # Asks and Drops the hosts sent
         self.sent_by_host = [0] * fabric.n_hosts
         self.races = 0  # granted flows whose path the arbiter moved before they ended (0 by construction)
+        self._events = 0
 
     # ------------------------------------------------------------------ the engine's calls
     def ask(self, f: FlowSpec, now: float) -> None:
         """A flow arrived at its host: its request is on its way to the arbiter."""
         ask = w.Ask(self._next_rid(), self._epoch, f.dst, f.nbytes, self.dport, self.parts)
         self._count(f.src)
-        self._schedule(now + self.rtt / 2, _Ask(f, now, w.encode(ask)))
+        self._loop.control_at(now + self.rtt / 2, _Ask(f, now, w.encode(ask)))
 
-    def on_event(self, ev: Event, now: float) -> Granted | None:
-        """Handle one event due now; a flow whose grant arrived is returned, to be started."""
+    def on_event(self, ev: object, now: float) -> None:
+        """Handle one event due now; a flow whose grant arrived starts."""
+        self._events += 1  # every one counts, a superseded tick too
         if isinstance(ev, _Ask):
             self._decide(ev, now)
         elif isinstance(ev, _Grant):
-            return self._granted_at_host(ev, now)
+            self._granted_at_host(ev, now)
         elif isinstance(ev, _Drop):
             self.arbiter.on_host(ev.host, ev.data, now)
             self._after_arbiter()
         elif now == self._tick_at:  # an earlier deadline superseded any other tick
             self._tick_at = math.inf
-            if self._pending():  # after the last flow there is nothing left to keep tidy for
+            if self._loop.pending:  # after the last flow there is nothing left to keep tidy for
                 self.arbiter.tick(now)
                 self._after_arbiter()
-        return None
 
     def done(self, t: Transfer, now: float) -> None:
         """``t`` completed: its host's core frees its ports and the host drops its reservations."""
@@ -178,11 +161,23 @@ class ArbiterControl:
             core.tick(now)
         self._send_drop(src, dropped, now)
 
+    def rebuild(self, now: float) -> None:
+        raise AssertionError("arbiter control does not model a link failure (unsupported() refuses it)")
+
+    def holds(self, flow: FlowId) -> bool:
+        return flow in self._granted
+
+    def counters(self) -> Counters:
+        """The requests each host sent (Ask, Drop), and the one-way delay to the arbiter."""
+        one_way = self.rtt / 2
+        return Counters(self.races, self.requests, list(self.sent_by_host), one_way, one_way, self._events,
+                        rtt_s=self.rtt)
+
     def _send_drop(self, host: int, flows: list[FlowId], now: float) -> None:
         if flows:
             msg = w.Drop(self._next_rid(), self._epoch, flows)
             self._count(host)
-            self._schedule(now + self.rtt / 2, _Drop(host, w.encode(msg)))
+            self._loop.control_at(now + self.rtt / 2, _Drop(host, w.encode(msg)))
 
     # ------------------------------------------------------------------ the arbiter's side
     def _decide(self, ev: _Ask, now: float) -> None:
@@ -190,19 +185,19 @@ class ArbiterControl:
         self._after_arbiter()
         # The answer travels back the other half of the round trip (from the arrival, so
         # that the start is the arrival plus exactly the round trip).
-        self._schedule(max(now, ev.sent + self.rtt), _Grant(ev.flow, out[0].data))
+        self._loop.control_at(max(now, ev.sent + self.rtt), _Grant(ev.flow, out[0].data))
 
     def _after_arbiter(self) -> None:
         """After the arbiter handled something: it sends no copies (no follower), and its
         timer must fire by its next deadline while flows remain."""
         self.arbiter.flush()  # empties its list of changes for followers (none here)
         t = self.arbiter.next_deadline()
-        if t < self._tick_at and self._pending():
+        if t < self._tick_at and self._loop.pending:
             self._tick_at = t
-            self._schedule(t, _Tick())
+            self._loop.control_at(t, _Tick())
 
     # ------------------------------------------------------------------ the host's side
-    def _granted_at_host(self, ev: _Grant, now: float) -> Granted:
+    def _granted_at_host(self, ev: _Grant, now: float) -> None:
         f = ev.flow
         msg = w.decode_to_host(ev.data)
         assert isinstance(msg, w.Grant), msg  # a lone leader with no limits answers every Ask
@@ -222,7 +217,7 @@ class ArbiterControl:
             parts = [_part(core.request(f.dst, f.nbytes, now, self.dport, reserve=False, why=REFUSED))
                      for _ in range(self.parts)]
         self._send_drop(f.src, unplaced, now)
-        return Granted(f, parts)
+        self._loop.start(f, parts)
 
     def _core(self, host: int) -> ArkCore:
         core = self._cores.get(host)

@@ -16,6 +16,7 @@ from ark.core.pathmap import ROCE_PORT_RANGE, PathMapCache, compute_buckets
 from ark.core.protocol import ArkCore
 from ark.core.topology import spine_leaf
 from ark.sim.config import ExperimentConfig
+from ark.sim.engine import Progress
 
 # The paper's controller costs (Intel i9, one thread), for side-by-side reporting.
 PAPER = {
@@ -108,37 +109,58 @@ def _decisions(lease: LeasePolicy | None, n: int = 20000) -> np.ndarray:
     return np.asarray(samples[n // 20:]) / 1e3
 
 
-SCALE_QPS = 1400.0  # offered load about 0.76 of the prefill leaves' uplinks on the scale fabric
+SCALE_QPS = 1400.0  # offered load about 0.76 of the prefill leaves' uplinks on the scale fabric (1,024 GPUs)
+GPUS_PER_POD = 128  # the scale fabric's pod: 4 leaves x 32 GPUs, 16 aggregation switches, 4 cores per plane
+SCALE_PRESETS = {1024: "scale", 8192: "scale-8k"}
 
 
-def scale_config(requests: int = 100_000, qps: float = SCALE_QPS) -> ExperimentConfig:
-    """The scale benchmark: the 1,024-GPU 3-tier ``scale`` fabric (8 pods x 4 leaves x 32 GPUs,
-    2:1 at the leaves), prefill and decode pools on every pod, each request's GPUs drawn at
-    random (a global scheduler), Poisson arrivals."""
+def scale_qps(gpus: int) -> float:
+    """The arrival rate that loads ``gpus`` GPUs as QPS 1400 loads 1,024 (the same per GPU)."""
+    return SCALE_QPS * gpus / 1024
+
+
+def scale_config(requests: int = 100_000, qps: float | None = None, gpus: int = 1024) -> ExperimentConfig:
+    """The scale benchmark: ``gpus`` GPUs on 3-tier pods of the ``scale`` fabric's shape
+    (``gpus / 128`` pods of 4 leaves x 32 GPUs, 2:1 at the leaves; 1,024 GPUs: the ``scale``
+    preset, 8,192: ``scale-8k``), prefill and decode pools on every pod, each request's GPUs
+    drawn at random (a global scheduler), Poisson arrivals at :func:`scale_qps` unless told."""
+    from ark.core.clos import CLOS_PRESETS
+    from ark.core.schema import ConfigError
     from ark.sim.config import from_dict
 
+    if gpus < GPUS_PER_POD or gpus % GPUS_PER_POD:
+        raise ConfigError(f"gpus: must be a multiple of {GPUS_PER_POD} (pods of 128 GPUs); got {gpus}")
+    if gpus in SCALE_PRESETS:
+        fabric: dict[str, Any] = {"preset": SCALE_PRESETS[gpus]}
+    else:
+        fabric = {**CLOS_PRESETS["scale"], "pods": gpus // GPUS_PER_POD}
+        fabric["oversubscription"] = list(fabric["oversubscription"])
     return from_dict({
-        "fabric": {"preset": "scale"},
-        "workload": {"requests": requests, "qps": [qps]},
+        "fabric": fabric,
+        "workload": {"requests": requests, "qps": [scale_qps(gpus) if qps is None else qps]},
         "serving": {"placement": "random"},
         "experiment": {"seeds": [0]},
     })
 
 
-def _scale_run(args: tuple[ExperimentConfig, str]) -> dict[str, Any]:
-    """One run in a fresh worker process: wall time, events and the process's peak memory."""
+def _peak_rss_mb() -> float:
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _scale_run(args: tuple[ExperimentConfig, str, Progress | None]) -> dict[str, Any]:
+    """One run in a fresh worker process: wall time, events and the process's peak memory."""
     from ark.sim.experiment import RunSpec, run_one
 
-    cfg, scheme = args
+    cfg, scheme, progress = args
     t, cpu = time.perf_counter(), time.process_time()
-    rec = run_one(cfg, RunSpec(scheme, cfg.workload.qps_list[0], cfg.seeds[0])).record
+    rec = run_one(cfg, RunSpec(scheme, cfg.workload.qps_list[0], cfg.seeds[0]), progress).record
     wall = time.perf_counter() - t
     return {
         "wall_s": wall,
         "cpu_s": time.process_time() - cpu,  # this process's CPU: the wall time it would take alone
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": _peak_rss_mb(),
         "events": rec["events"],
         "events_per_s": rec["events"] / wall if wall > 0 else 0.0,
         "offered_load": rec["offered_load"],
@@ -162,20 +184,43 @@ def _baseline_s() -> float:
     return time.perf_counter() - t
 
 
-def scale(schemes: tuple[str, ...], requests: int = 100_000, qps: float = SCALE_QPS) -> list[dict[str, Any]]:
-    """Each scheme of the scale benchmark in its own fresh process, one after the other."""
+def scale(schemes: tuple[str, ...], requests: int = 100_000, qps: float | None = None, gpus: int = 1024,
+          progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Each scheme of the scale benchmark in its own fresh process, one after the other
+    (``progress``: a picklable function the worker calls as the run goes, see :meth:`FluidSim.run`)."""
     from concurrent.futures import ProcessPoolExecutor
 
-    cfg = scale_config(requests, qps)
-    gpus = cfg.fabric.build().n_hosts
+    cfg = scale_config(requests, qps, gpus)
     out = []
     for scheme in schemes:
         base = _baseline_s()
         with ProcessPoolExecutor(max_workers=1) as ex:
-            res = ex.submit(_scale_run, (cfg, scheme)).result()
-        out.append({"gpus": gpus, "requests": requests, "scheme": scheme, "qps": qps, **res,
-                     "cpus": os.cpu_count(), "baseline_s": base})
+            res = ex.submit(_scale_run, (cfg, scheme, progress)).result()
+        out.append({"gpus": gpus, "requests": requests, "scheme": scheme, "qps": cfg.workload.qps_list[0], **res,
+                    "cpus": os.cpu_count(), "load_average": round(os.getloadavg()[0], 2), "baseline_s": base})
     return out
+
+
+def scaling_exponents(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Least-squares slopes of log wall time, log CPU time and log peak memory: against GPUs
+    at each fixed (scheme, requests), and against requests at each fixed (scheme, GPUs),
+    where a series has two or more points (wall ~ x^slope). On a shared machine the CPU
+    time is the steadier figure: it is the wall time the run would take alone."""
+    fits = []
+    for axis, fixed in (("gpus", "requests"), ("requests", "gpus")):
+        for key in sorted({(r["scheme"], r[fixed]) for r in rows}):
+            pts = sorted((r[axis], r["wall_s"], r["cpu_s"], r["peak_rss_mb"]) for r in rows
+                         if (r["scheme"], r[fixed]) == key)
+            if len({p[0] for p in pts}) < 2:
+                continue
+            x = np.log([p[0] for p in pts])
+
+            def slope(i: int, pts: list[tuple[int, float, float, float]] = pts, x: np.ndarray = x) -> float:
+                return float(np.polyfit(x, np.log([p[i] for p in pts]), 1)[0])
+
+            fits.append({"scheme": key[0], "against": axis, fixed: key[1], "points": len(pts),
+                         "wall_exponent": slope(1), "cpu_exponent": slope(2), "memory_exponent": slope(3)})
+    return fits
 
 
 def reproduce(cfg: ExperimentConfig, jobs: int) -> dict[str, Any]:

@@ -16,20 +16,15 @@ Schemes:
 * ``ecmp``: every flow gets a random source port from the port range; the simulated
   switches hash its exact key bytes, each at its own ECMP decision (leaf; in a 3-tier
   Clos also the aggregation switch), with its own model, seed and selection.
-* ``ark`` / ``ark-balance`` / ``ark-split``: one :class:`ark.core.protocol.ArkCore` per
-  host; messages reach peers after the control-plane one-way delay, so races happen as
-  they would. Without jitter, skew or in-band control every host receives a message at
-  the same instant, so the cores share one reservation table that receives each message
-  once (a host's own messages in flight stay with its core until then): the same
-  decisions and re-paths as one replica per host, at a cost per message that does not
-  grow with the number of hosts. Otherwise each host keeps its own replica and its own
-  clock. Under ``ark-split`` a transfer is several reserved sub-flows on distinct paths
-  (:meth:`ArkCore.request_split`). The switches still hash the chosen port; any
-  disagreement with the reserved path is counted in ``path_mismatches``. The cores'
-  timers fire at their own deadlines (:meth:`ArkCore.next_deadline`), never by polling.
-  With ``control="arbiter"`` no host runs a core: one :class:`ark.core.arbiter.Arbiter`
-  decides for all of them, a request round trip after each flow arrives
-  (:mod:`ark.sim.arbiter_control`); no races.
+* ``ark`` / ``ark-balance`` / ``ark-split``: a control plane decides (:mod:`ark.sim.control`):
+  one :class:`ark.core.protocol.ArkCore` per host, broadcasting its reservations
+  (``control="broadcast"``, :mod:`ark.sim.broadcast_control`: races happen as they
+  would), or one :class:`ark.core.arbiter.Arbiter` that every host asks, a request round
+  trip after each flow arrives (``control="arbiter"``, :mod:`ark.sim.arbiter_control`;
+  no races). Under ``ark-split`` a transfer is several reserved sub-flows on distinct
+  paths. The switches still hash the chosen port; any disagreement with the reserved path
+  is counted in ``path_mismatches``. The loop never asks which mode runs: it hands the
+  control plane the flows that arrive and finish, and its events.
 * ``ecmp-split``: the same sub-flows on random source ports (what an engine with several
   connections gets without ARK).
 * ``plb``, ``letflow``, ``conga``, ``hedera``: the baselines of :mod:`ark.sim.balancers`.
@@ -54,21 +49,23 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ark.core.flows import FlowSpec
-from ark.core.messages import FlowId, Message, Release
-from ark.core.pathmap import ROCE_PORT_RANGE, PathMap, PathMapCache, switch_path
-from ark.core.protocol import ArkCore, Decision, Repath
-from ark.core.table import POLICIES, ReservationTable
+from ark.core.messages import FlowId
+from ark.core.pathmap import ROCE_PORT_RANGE, PathMapCache, switch_path
+from ark.core.protocol import PathMaps, Repath
+from ark.core.table import POLICIES
 from ark.core.topology import Fabric
-from ark.sim.arbiter_control import CONTROLS, ArbiterControl, Granted, unsupported
+from ark.sim.arbiter_control import ArbiterControl, unsupported
 from ark.sim.balancers import Balancer, SchemeParams, make_balancer
+from ark.sim.broadcast_control import BroadcastControl
+from ark.sim.control import CONTROLS, ControlPlane, NoControl, Part
 from ark.sim.failure import FailedRoutes, LinkChange, RebuiltMaps
 from ark.sim.maxmin import FairShares, maxmin_rates
+from ark.sim.results import FlowResult, SimResult
 from ark.sim.transfer import SubFlow, Transfer, sub_id, top_switches
 
 __all__ = [
@@ -82,65 +79,14 @@ REPRODUCED = ("ecmp", "ark", "ark-balance", "spray")  # what an experiment runs 
 ARK_SCHEMES = POLICIES  # the schemes an ArkCore runs: its policies
 SPLIT_SCHEMES = ("ark-split", "ecmp-split")
 
-_START, _DELIVER, _TIMER, _RESUME, _LB, _CHANGE, _REBUILD, _ARBITER = range(8)
-MAP_CACHE = 1024  # path maps kept per simulation process (about 160 kB each)
+_START, _CONTROL, _RESUME, _LB, _CHANGE, _REBUILD = range(6)
+MAP_CACHE = 1024  # path maps kept per simulation process (a lazy one: a few kB)
+Progress = Callable[[int, int, float], None]  # (flows finished, flows, simulated time)
 CONTROL_PORTS = (49152, 7100)  # source and destination port of the in-band control connection
-
-
-def _arrival_order(msg: Message) -> tuple[float, int, int, int]:
-    return (msg.ts, 0 if isinstance(msg, Release) else 1, msg.flow[0], msg.flow[1])
 
 
 class SimError(ValueError):
     """Invalid simulator parameters."""
-
-
-@dataclass
-class FlowResult:
-    id: int
-    src: int
-    dst: int
-    nbytes: int
-    start_s: float
-    finish_s: float = math.nan
-    path: int = -1
-    port: int = -1
-    reserved: bool = False
-    fallback: bool = False
-    repaths: int = 0
-
-    @property
-    def fct_s(self) -> float:
-        return self.finish_s - self.start_s
-
-
-@dataclass
-class SimResult:
-    scheme: str
-    flows: list[FlowResult]
-    races: int
-    fallbacks: int
-    path_mismatches: int
-    max_concurrent_per_spine: list[int]
-    events: int
-    spine_timeline: list[tuple[float, tuple[int, ...]]] = field(default_factory=list)
-    control_messages: int = 0
-    # Messages each host sent (RESERVE, RELEASE, RENEW): what its peers receive under full
-    # broadcast, or the peers of its scope (see ark.sim.control_plane).
-    messages_by_host: list[int] = field(default_factory=list)
-    race_moved: int = 0  # flows whose path a lost race changed
-    moves: int = 0  # path changes a baseline balancer made
-    rehashes: int = 0  # PLB re-hashes
-    stale: int = 0  # ARK sub-flows a link failure moved off their reserved path before the maps were rebuilt
-    rebuild_repathed: int = 0  # reservations re-made when the maps were rebuilt
-    mismatches_after_rebuild: int = 0
-    # One-way delays the control messages met (in-band control: with the data's queues).
-    control_delay_mean_s: float = 0.0
-    control_delay_max_s: float = 0.0
-    # The control plane that ran: "broadcast" or "arbiter" (ARK schemes), "none" (the others);
-    # under "arbiter", the request round trip host -> arbiter -> host.
-    control: str = "none"
-    arbiter_rtt_s: float = 0.0
 
 
 class FluidSim:
@@ -156,7 +102,7 @@ class FluidSim:
         control_jitter_s: float = 0.0,
         dport: int = 4791,
         port_range: tuple[int, int] = ROCE_PORT_RANGE,
-        pathmaps: Callable[[int, int, int], PathMap] | None = None,
+        pathmaps: PathMaps | None = None,
         record_timeline: bool = False,
         retention_s: float = 5.0,
         shared_table: bool | None = None,
@@ -199,54 +145,53 @@ class FluidSim:
             if why:
                 raise SimError(f"control: \"arbiter\" {why}")
         self._retention = retention_s
-        self.arbiter: ArbiterControl | None = None  # made per run (_reset)
         self._off = np.random.default_rng([seed, 2]).uniform(0, clock_skew_s, fabric.n_hosts).tolist() \
             if clock_skew_s > 0 else None
-        base = pathmaps or PathMapCache(fabric, port_range, capacity=MAP_CACHE)
+        base = pathmaps or PathMapCache(fabric, port_range, capacity=MAP_CACHE, lazy=True)
         if change is not None:
             change.check(fabric)
         self.maps: RebuiltMaps | None = None
         if change is not None and change.down and scheme in ARK_SCHEMES:
             self.maps = RebuiltMaps(base, FailedRoutes(fabric, change), port_range)
         self.pathmaps = self.maps or base
-        self._make_cores(retention_s, shared_table)
+        self._check_shared_table(shared_table)
+        # Each host's own stream (ECMP ports): its core's, or its side of the arbiter's.
+        self._host_seeds = [int(c) for c in self.rng.integers(0, 2**63 - 1, fabric.n_hosts)] \
+            if scheme in ARK_SCHEMES else []
+        self.control_plane: ControlPlane = NoControl(fabric.n_hosts, self.delay)  # made per run (_reset)
         self._handlers: dict[int, Callable[[Any], None]] = {
-            _START: self._on_start, _DELIVER: self._on_deliver, _TIMER: self._on_timer, _RESUME: self._on_resume,
+            _START: self._on_start, _CONTROL: self._on_control, _RESUME: self._on_resume,
             _LB: self._on_balancer, _CHANGE: self._on_change, _REBUILD: self._on_rebuild,
-            _ARBITER: self._on_arbiter,
         }
 
     def _ask_parts(self) -> int:
         """Sub-flows per transfer: ``[params.split] parts`` under ``ark-split``, else 1."""
         return self.params.split.parts if self.scheme in SPLIT_SCHEMES else 1
 
-    def _make_cores(self, retention_s: float, shared_table: bool | None) -> None:
-        fabric, scheme = self.fabric, self.scheme
-        self.cores: list[ArkCore] = []
-        # Every host receives every message after the same delay: one table for all (see
-        # ark.core.protocol, "Sharing one table"), unless jitter, skewed clocks or in-band
-        # control make the replicas differ.
+    def _check_shared_table(self, shared_table: bool | None) -> None:
+        # Every host receives every message after the same delay: one table for all
+        # (ark.core.shared_table), unless jitter, skewed clocks or in-band control make the
+        # replicas differ.
         same = self.jitter == 0 and self._off is None and not self.control_on_data
         self.shared_table = same if shared_table is None else shared_table
         if self.shared_table and not same:
             raise SimError("shared_table: needs control_jitter_us = 0, no clock skew and a separate control network "
                            "(otherwise every host holds its own replica)")
-        self.table: ReservationTable | None = None
-        self._host_seeds: list[int] = []
-        if scheme in ARK_SCHEMES:
-            # Each host's own stream (ECMP ports): its core's, or its side of the arbiter's.
-            child = self.rng.integers(0, 2**63 - 1, fabric.n_hosts)
-            self._host_seeds = [int(c) for c in child]
-        if scheme in ARK_SCHEMES and self.control == "broadcast":
-            if self.shared_table:
-                self.table = ReservationTable(fabric, policy=scheme, retention_s=retention_s)
-            self.cores = [
-                # A host keeps source-port buckets only for peers it has flows to: the
-                # maps come from the (bounded) cache, so memory does not grow with pairs.
-                ArkCore(h, fabric, self.pathmaps, policy=scheme, seed=self._host_seeds[h], retention_s=retention_s,
-                        table=self.table, max_idle_peers=0)
-                for h in range(fabric.n_hosts)
-            ]
+
+    def _new_control(self, start_s: float) -> ControlPlane:
+        """A fresh control plane for one run: the mode's, or none for schemes without one."""
+        if self.scheme not in ARK_SCHEMES:
+            return NoControl(self.fabric.n_hosts, self.delay)
+        if self.control == "arbiter":  # started before the first flow
+            return ArbiterControl(
+                self.fabric, self.scheme, self.pathmaps, self, rtt_s=self.arbiter_rtt, dport=self.dport,
+                parts=self._ask_parts(), host_seeds=self._host_seeds, retention_s=self._retention, lease=None,
+                start_s=start_s)
+        return BroadcastControl(
+            self.fabric, self.scheme, self.pathmaps, self, host_seeds=self._host_seeds, retention_s=self._retention,
+            shared_table=self.shared_table, delay_s=self.delay, jitter_s=self.jitter, on_data=self.control_on_data,
+            offsets=self._off, rng=self.rng, dport=self.dport,
+            parts=self.params.split.parts if self.scheme in SPLIT_SCHEMES else 1)
 
     def _capacities(self) -> list[float]:
         """Payload bytes/s per link."""
@@ -305,25 +250,30 @@ class FluidSim:
         return self._active.get(flow)
 
     # ------------------------------------------------------------------ the loop
-    def run(self, flows: Sequence[FlowSpec]) -> SimResult:
+    def run(self, flows: Sequence[FlowSpec], progress: Progress | None = None, every: int = 20_000) -> SimResult:
+        """Simulate ``flows`` to the end; ``progress(finished, total, now)`` is called every
+        ``every`` events (what a long run shows; it changes nothing)."""
         self._reset(flows)
-        while self._pending or self._heap:
-            self.step()
-        lb, arb = self.balancer, self.arbiter
-        races = arb.races if arb is not None else sum(c.counters.races_lost for c in self.cores)
-        # Under the arbiter: the requests each host sent it (Ask, Drop), and the one-way delay to it.
-        messages, by_host = (arb.requests, arb.sent_by_host) if arb is not None else (self._messages,
-                                                                                     self._sent_by_host)
-        one_way = self.arbiter_rtt / 2 if arb is not None else self.delay
+        if progress is None:
+            while self._pending or self._heap:
+                self.step()
+        else:
+            n = 0
+            progress(0, len(flows), self._now)
+            while self._pending or self._heap:
+                self.step()
+                n += 1
+                if n % every == 0:
+                    progress(len(flows) - self._pending, len(flows), self._now)
+            progress(len(flows) - self._pending, len(flows), self._now)
+        lb, c = self.balancer, self.control_plane.counters()
         return SimResult(
-            self.scheme, [self._results[f.id] for f in flows], races,
-            self._fallbacks, self._mismatches, self._spine_max, self._events, self._timeline, messages,
-            list(by_host), race_moved=len(self._race_moved), moves=lb.moves if lb else 0,
-            rehashes=lb.rehashes if lb else 0, stale=self._stale, rebuild_repathed=self._rebuild_repathed,
-            mismatches_after_rebuild=self._after_rebuild,
-            control_delay_mean_s=self._ctl_sum / self._ctl_n if self._ctl_n else one_way,
-            control_delay_max_s=self._ctl_max if self._ctl_n else one_way,
-            control=self.control, arbiter_rtt_s=self.arbiter_rtt if arb is not None else 0.0,
+            self.scheme, [self._results[f.id] for f in flows], c.races,
+            self._fallbacks, self._mismatches, self._spine_max, self._events + c.events, self._timeline, c.messages,
+            c.by_host, race_moved=len(self._race_moved), moves=lb.moves if lb else 0,
+            rehashes=lb.rehashes if lb else 0, stale=self._stale, rebuild_repathed=c.rebuild_repathed,
+            mismatches_after_rebuild=self._after_rebuild, control_delay_mean_s=c.delay_mean_s,
+            control_delay_max_s=c.delay_max_s, control=self.control_plane.name, arbiter_rtt_s=c.rtt_s,
         )
 
     def _reset(self, flows: Sequence[FlowSpec]) -> None:
@@ -339,7 +289,6 @@ class FluidSim:
         self._active: dict[int, Transfer] = {}
         self._paused: dict[int, Transfer] = {}  # idle between two chunks
         self._owner: dict[int, tuple[Transfer, int]] = {}  # sub-flow id -> (transfer, index), split schemes
-        self._by_core_flow: dict[FlowId, tuple[Transfer, int]] = {}
         self._shares = FairShares(self._capacities())
         self._base_capacity = list(self._shares.capacity)
         self._bundles: dict[frozenset[int], int] = {}
@@ -348,26 +297,17 @@ class FluidSim:
         self._spine_now = [0] * n_top
         self._spine_max = [0] * n_top
         self._timeline: list[tuple[float, tuple[int, ...]]] = []
-        self._mismatches = self._fallbacks = self._messages = self._events = 0
-        self._stale = self._rebuild_repathed = self._after_rebuild = 0
+        self._mismatches = self._fallbacks = self._events = 0
+        self._stale = self._after_rebuild = 0
         self._race_moved: set[int] = set()
         self._routes: FailedRoutes | None = None
         self._ctl_links: dict[tuple[int, int], tuple[int, ...]] = {}
-        self._ctl_sum, self._ctl_n, self._ctl_max = 0.0, 0, 0.0
-        self._sent_by_host = [0] * self.fabric.n_hosts
         self._now = 0.0
         self._dirty = False
         self._pending = len(flows)
-        self._timer_at = math.inf
-        self._pending_hosts: dict[int, None] = {}  # hosts with messages on their way to the shared table
         self._multi = self.scheme in SPLIT_SCHEMES and self.params.split.parts > 1
         self.balancer: Balancer | None = make_balancer(self.scheme, self.params, self)
-        if self.control == "arbiter":  # a fresh arbiter per run, started before the first flow
-            self.arbiter = ArbiterControl(
-                self.fabric, self.scheme, self.pathmaps, rtt_s=self.arbiter_rtt, dport=self.dport,
-                parts=self._ask_parts(), host_seeds=self._host_seeds, retention_s=self._retention, lease=None,
-                schedule=lambda t, ev: self.schedule(t, _ARBITER, ev), pending=lambda: self._pending,
-                start_s=min([0.0, *(f.start_s for f in flows)]))
+        self.control_plane = self._new_control(min([0.0, *(f.start_s for f in flows)]))
 
     def schedule(self, t: float, kind: int, data: Any) -> None:
         heapq.heappush(self._heap, (t, self._seq, kind, data))
@@ -387,9 +327,8 @@ class FluidSim:
             self._complete()
             return
         _, _, kind, data = heapq.heappop(self._heap)
-        if kind == _TIMER and self._now != self._timer_at:
-            return  # superseded by an earlier deadline
-        self._events += 1
+        if kind != _CONTROL:  # the control plane counts its own events
+            self._events += 1
         self._handlers[kind](data)
 
     def _update_rates(self) -> None:
@@ -459,33 +398,11 @@ class FluidSim:
             a.res.finish_s = now
             self._pending -= 1
             self._count_spines(a, -1)
-            if self.arbiter is not None:
-                self._drop(a)
-            else:
-                for sub in a.subs:
-                    if sub.core_flow is not None:
-                        self._release(a, sub)
+            self.control_plane.done(a, now)
             if self.balancer is not None:
                 self.balancer.done(a)
         self._spines_changed()
         self._dirty = True
-
-    def _release(self, t: Transfer, sub: SubFlow) -> None:
-        assert sub.core_flow is not None
-        core = self.cores[t.res.src]
-        rel = core.release(sub.core_flow, self._local(core.host))
-        del self._by_core_flow[sub.core_flow]
-        self._broadcast(t.res.src, rel.messages)
-        self._apply_repaths(rel.events)
-        self._arm_timer(core)
-
-    def _drop(self, t: Transfer) -> None:
-        """Arbiter control: the host tells the arbiter the flow ended (ark.sim.arbiter_control)."""
-        assert self.arbiter is not None
-        for sub in t.subs:
-            if sub.core_flow is not None:
-                del self._by_core_flow[sub.core_flow]
-        self.arbiter.done(t, self._now)
 
     def _pause(self, t: Transfer) -> None:
         """A chunk is done: idle for the gap, holding its paths and reservations."""
@@ -521,33 +438,15 @@ class FluidSim:
             res.finish_s = self._now
             self._pending -= 1
             return
-        if self.arbiter is not None:  # starts when the arbiter's grant is back (_on_arbiter)
-            self.arbiter.ask(f, self._now)
+        if self.scheme in ARK_SCHEMES:  # its control plane decides, now or later (start)
+            self.control_plane.ask(f, self._now)
             return
         self._launch(f, res, self._split(f, res) if self._multi else [self._first(f, res)])
 
-    def _on_arbiter(self, ev: Any) -> None:
-        assert self.arbiter is not None
-        granted = self.arbiter.on_event(ev, self._now)
-        if granted is not None:
-            self._start_granted(granted)
+    def _on_control(self, ev: object) -> None:
+        self.control_plane.on_event(ev, self._now)
 
-    def _start_granted(self, g: Granted) -> None:
-        """The arbiter's grant is back: the flow starts on the ports its host picked (the
-        switches hash them; a port that misses its granted path is counted)."""
-        f, res = g.flow, self._results[g.flow.id]
-        chosen: list[tuple[int, int, FlowId | None]] = []
-        for p in g.parts:
-            path = self._switch(f.src, f.dst, p.port)
-            if p.reserved and path != p.path:
-                self._count_mismatch()
-            chosen.append((p.port, path, p.flow))
-        res.reserved = any(p.reserved for p in g.parts)
-        res.fallback = any(p.fallback for p in g.parts)
-        self._fallbacks += sum(p.fallback for p in g.parts)
-        self._launch(f, res, self._subflows(f, res, chosen))
-
-    def _launch(self, f: FlowSpec, res: FlowResult, subs: list[SubFlow]) -> None:
+    def _launch(self, f: FlowSpec, res: FlowResult, subs: list[SubFlow]) -> Transfer:
         """The flow starts sending now over ``subs``."""
         t = Transfer(res, subs, self.chunks)
         t.t_upd = self._now  # later than the arrival when it waited for a grant
@@ -556,52 +455,31 @@ class FluidSim:
             self._shares.add(sub.sid, sub.links)
             if self._multi:
                 self._owner[sub.sid] = (t, k)
-            if sub.core_flow is not None:
-                self._by_core_flow[sub.core_flow] = (t, k)
         if self.balancer is not None:
             self.balancer.started(t)
         self._count_spines(t, +1)
         self._spines_changed()
         self._dirty = True
+        return t
 
     def _first(self, f: FlowSpec, res: FlowResult) -> SubFlow:
-        """The one path of a single-path scheme."""
-        core_flow = None
+        """The one path of a single-path scheme without a control plane."""
         first = self.balancer.first(f.src, f.dst, f.nbytes) if self.balancer is not None else None
         if first is not None:
             port, path = -1, first
         elif self.scheme == "spray":
             port, path = -1, -1
-        elif self.scheme in ARK_SCHEMES:
-            port, path, core_flow = self._reserve(f, res)
         else:
             port = self.random_port(self.rng)
             path = self._switch(f.src, f.dst, port)
         res.path, res.port = path, port
         links, spines = self._links(f.src, f.dst, max(path, 0))
-        sub = SubFlow(f.id, path, port, links, spines)
-        sub.core_flow = core_flow
-        return sub
+        return SubFlow(f.id, path, port, links, spines)
 
     def _split(self, f: FlowSpec, res: FlowResult) -> list[SubFlow]:
-        """Sub-flows on several paths: reserved by ARK, or on random ports."""
-        parts = self.params.split.parts
-        chosen: list[tuple[int, int, FlowId | None]]
-        if self.scheme == "ark-split":
-            core = self.cores[f.src]
-            decs = core.request_split(f.dst, f.nbytes, self._local(f.src), parts, self.dport)
-            chosen = [(d.port, self._decided(d), d.flow) for d in decs]
-            res.reserved = any(d.reserved for d in decs)
-            res.fallback = any(d.fallback for d in decs)
-            self._fallbacks += sum(d.fallback for d in decs)
-            for d in decs:
-                self._broadcast(f.src, d.messages)
-                self._apply_repaths(d.events)
-            self._arm_timer(core)
-        else:
-            ports = [self.random_port(self.rng) for _ in range(parts)]
-            chosen = [(p, self._switch(f.src, f.dst, p), None) for p in ports]
-        return self._subflows(f, res, chosen)
+        """Sub-flows on random ports (``ecmp-split``)."""
+        ports = [self.random_port(self.rng) for _ in range(self.params.split.parts)]
+        return self._subflows(f, res, [(p, self._switch(f.src, f.dst, p), None) for p in ports])
 
     def _subflows(self, f: FlowSpec, res: FlowResult, chosen: Sequence[tuple[int, int, FlowId | None]]) -> list[SubFlow]:
         """One sub-flow per (port, path, reservation); the first stands for the flow in ``res``."""
@@ -614,109 +492,71 @@ class FluidSim:
         res.path, res.port = subs[0].path, subs[0].port
         return subs
 
-    def _decided(self, dec: Decision) -> int:
-        """The path the switches send a decision's port over (a disagreement is counted)."""
-        path = self._switch(dec.flow[0], dec.dst, dec.port)
-        if path != dec.path:
-            self._count_mismatch()
-        return path
-
     def _count_mismatch(self) -> None:
         self._mismatches += 1
         if self.maps is not None and self.maps.rebuilt:
             self._after_rebuild += 1
 
-    def _reserve(self, f: FlowSpec, res: FlowResult) -> tuple[int, int, FlowId]:
-        """ARK: the source host's core picks the path; the simulated switch hashes the port."""
-        core = self.cores[f.src]
-        dec = core.request(f.dst, f.nbytes, self._local(f.src), self.dport)
-        path = self._decided(dec)
-        res.reserved, res.fallback = dec.reserved, dec.fallback
-        self._fallbacks += dec.fallback
-        self._broadcast(f.src, dec.messages)
-        self._apply_repaths(dec.events)
-        self._arm_timer(core)
-        return dec.port, path, dec.flow
+    # ------------------------------------------------------------------ what a control plane may ask
+    def control_at(self, t: float, ev: object) -> None:
+        self.schedule(t, _CONTROL, ev)
 
-    def _on_deliver(self, data: tuple[Message, tuple[int, ...] | None]) -> None:
-        # Messages arriving at the same instant arrive in key order (releases first at
-        # equal timestamps), whatever order they were sent in: then no replica ever holds
-        # a later key than a message still on its way to it from the same instant.
-        batch = [data]
-        heap = self._heap
-        while heap and heap[0][0] == self._now and heap[0][2] == _DELIVER:
-            batch.append(heapq.heappop(heap)[3])
-            self._events += 1
-        if len(batch) > 1:
-            batch.sort(key=lambda d: _arrival_order(d[0]))
-        for msg, dests in batch:
-            if dests is None:
-                self._deliver_to_table(msg)
-                continue
-            for h in dests:
-                core = self.cores[h]
-                evs = core.receive(msg, self._local(h))
-                if evs and self._apply_repaths(evs):
-                    self._dirty = True
-                self._arm_timer(core)
+    def control_due(self, same: Callable[[object], bool]) -> list[object]:
+        heap, now, out = self._heap, self._now, []
+        while heap and heap[0][0] == now and heap[0][2] == _CONTROL and same(heap[0][3]):
+            out.append(heapq.heappop(heap)[3])
+        return out
 
-    def _deliver_to_table(self, msg: Message) -> None:
-        """The shared table receives ``msg`` for every host but its sender; the cores whose
-        flows that touched (and those still judging pending reservations) catch up."""
-        assert self.table is not None
-        changed = self.table.receive(msg)
-        later = self.table.take_changed()  # what a deferred re-evaluation moved
-        if changed is not None:
-            changed = None if later is None else [*changed, *later]
-        cores, n = self.cores, self.fabric.n_hosts
-        moved = self._apply_repaths(cores[msg.flow[0]].delivered(msg))
-        if changed is None:
-            for core in cores:
-                moved |= self._apply_repaths(core.sync(None))
-        else:
-            for f in changed:
-                if 0 <= f[0] < n:
-                    moved |= self._apply_repaths(cores[f[0]].sync((f,)))
-        for h in list(self._pending_hosts):
-            if cores[h].pending:
-                moved |= self._apply_repaths(cores[h].resync())
-            else:
-                del self._pending_hosts[h]
-        if moved:
+    def start(self, f: FlowSpec, parts: Sequence[Part]) -> Transfer:
+        """The flow starts now on the ports its control plane chose (the switches hash them;
+        a port that misses the path the control plane expects is counted)."""
+        res = self._results[f.id]
+        chosen: list[tuple[int, int, FlowId | None]] = []
+        for p in parts:
+            path = self._switch(f.src, f.dst, p.port)
+            if p.path >= 0 and path != p.path:
+                self._count_mismatch()
+            chosen.append((p.port, path, p.flow))
+        res.reserved = any(p.reserved for p in parts)
+        res.fallback = any(p.fallback for p in parts)
+        self._fallbacks += sum(p.fallback for p in parts)
+        return self._launch(f, res, self._subflows(f, res, chosen))
+
+    def repath(self, moves: Sequence[tuple[Transfer, int, Repath]]) -> bool:
+        """Move sub-flows whose port changed after a race; True if any moved."""
+        changed = False
+        for t, k, ev in moves:
+            res, sub = t.res, t.subs[k]
+            res.repaths += 1
+            res.reserved = ev.reserved
+            if not ev.reserved:
+                res.fallback = True
+            if ev.port != sub.port:
+                sw = self._switch(res.src, res.dst, ev.port)
+                if sw != ev.path:
+                    self._count_mismatch()
+                self._move_sub(t, k, sw, ev.port)
+                self._race_moved.add(res.id)
+                changed = True
+        if changed:
+            self._spines_changed()
             self._dirty = True
-        self._arm_timer(None)
+        return changed
 
-    def _on_timer(self, _: None) -> None:
-        now = self._now
-        self._timer_at = math.inf
-        if self.table is not None:
-            expired = self.table.tick(now)
-            later = self.table.take_changed()
-            for f in expired:
-                if self._apply_repaths(self.cores[f[0]].sync((f,))):
-                    self._dirty = True
-            for core in self.cores if later is None else (self.cores[f[0]] for f in later):
-                if self._apply_repaths(core.sync(None if later is None else later)):
-                    self._dirty = True
-            self._arm_timer(None)
-            return
-        for core in self.cores:
-            local = self._local(core.host)
-            if core.next_deadline() <= local and self._apply_repaths(core.tick(local)):
-                self._dirty = True
-        for core in self.cores:
-            self._arm_timer(core)
+    def replace(self, t: Transfer, k: int, part: Part) -> None:
+        sub, res = t.subs[k], t.res
+        if k == 0:
+            res.reserved, res.fallback = part.reserved, part.fallback
+        self._fallbacks += part.fallback
+        sw = self._switch(res.src, res.dst, part.port)
+        if part.path >= 0 and sw != part.path:
+            self._count_mismatch()
+        sub.core_flow = part.flow
+        if sw != sub.path or part.port != sub.port:
+            self._move_sub(t, k, sw, part.port)
 
-    def _arm_timer(self, core: ArkCore | None) -> None:
-        """Make sure a timer fires by ``core``'s (None: the shared table's) next deadline,
-        while flows remain."""
-        if core is None or self.table is not None:
-            t = self.table.next_deadline() if self.table is not None else math.inf
-        else:
-            t = self._sim_time(core.host, core.next_deadline())
-        if t < self._timer_at and self._pending:
-            self._timer_at = t
-            self.schedule(t, _TIMER, None)
+    def mismatch(self) -> None:
+        self._count_mismatch()
 
     def _on_balancer(self, data: object) -> None:
         """The balancer's events due now, as one batch (one allocation update after them)."""
@@ -726,21 +566,6 @@ class FluidSim:
             batch.append(heapq.heappop(heap)[3])
             self._events += 1
         self.balancer.events(batch)
-
-    # ------------------------------------------------------------------ clocks
-    def _local(self, host: int) -> float:
-        """``host``'s clock now (skewed by its offset, if any)."""
-        return self._now if self._off is None else self._now + self._off[host]
-
-    def _sim_time(self, host: int, local: float) -> float:
-        """The simulated instant at which ``host``'s clock reads ``local`` (never early)."""
-        if self._off is None or local == math.inf:
-            return local
-        off = self._off[host]
-        t = local - off
-        while t + off < local:
-            t = math.nextafter(t, math.inf)
-        return t
 
     # ------------------------------------------------------------------ link changes
     def _on_change(self, _: None) -> None:
@@ -772,87 +597,23 @@ class FluidSim:
         if self.scheme == "spray" or (self.balancer is not None and self.balancer.link_down(t, crossed)):
             return
         res = t.res
-        reserved = self._reserved_flows(res.src) if self.cores else {}
         for k, sub in enumerate(t.subs):
             if sub.port < 0:
                 continue  # a path no port chose (spray, a balancer's own): nothing to re-hash
             sw = self._switch(res.src, res.dst, sub.port)
             if sw != sub.path:
-                self._stale += sub.core_flow is not None and reserved.get(sub.core_flow, False)
+                self._stale += sub.core_flow is not None and self.control_plane.holds(sub.core_flow)
                 self._move_sub(t, k, sw, sub.port)
-
-    def _reserved_flows(self, host: int) -> dict[FlowId, bool]:
-        return {f: v[3] for f, v in self.cores[host].local_flows().items()}
 
     def _on_rebuild(self, _: None) -> None:
         """ARK's hosts rebuild their maps and re-path the reservations whose port moved."""
         assert self.maps is not None
         self.maps.rebuild()
-        for core in self.cores:
-            moved = core.reload_pathmaps()
-            reserved = self._reserved_flows(core.host) if moved else {}
-            for flow in moved:
-                entry = self._by_core_flow.get(flow)
-                if entry is not None and reserved.get(flow):
-                    self._rereserve(core, flow, *entry)
-        for core in self.cores:  # every reserved flow crosses the path it holds
-            for f, (_dst, held, _port, is_reserved) in core.local_flows().items():
-                entry = self._by_core_flow.get(f)
-                if is_reserved and entry is not None and entry[0].subs[entry[1]].path != held:
-                    self._count_mismatch()
+        self.control_plane.rebuild(self._now)
         self._spines_changed()
         self._dirty = True
 
-    def _rereserve(self, core: ArkCore, flow: FlowId, t: Transfer, k: int) -> None:
-        """As ``Node.reload_pathmaps``: release, then reserve again, keeping the port when
-        the path it now leads to is free."""
-        sub, res, local = t.subs[k], t.res, self._local(core.host)
-        rel = core.release(flow, local)
-        del self._by_core_flow[flow]
-        self._broadcast(core.host, rel.messages)
-        self._apply_repaths(rel.events)
-        left = t.left(self._now)
-        # The transfer's other parts keep their paths: stay off them while others are free,
-        # as request_split does.
-        avoid = 0
-        for j, s in enumerate(t.subs):
-            if j != k:
-                avoid |= 1 << s.path  # siblings may share a path: a sum would carry into the next bit
-        dec = core.request(res.dst, int(left / len(t.subs)), local, self.dport, prefer_port=sub.port, avoid=avoid)
-        if k == 0:
-            res.reserved, res.fallback = dec.reserved, dec.fallback
-        self._fallbacks += dec.fallback
-        sw = self._decided(dec)
-        sub.core_flow = dec.flow
-        self._by_core_flow[dec.flow] = (t, k)
-        self._broadcast(core.host, dec.messages)
-        if sw != sub.path or dec.port != sub.port:
-            self._move_sub(t, k, sw, dec.port)
-        self._apply_repaths(dec.events)
-        self._arm_timer(core)
-        self._rebuild_repathed += 1
-
     # ------------------------------------------------------------------ helpers
-    def _broadcast(self, src: int, msgs: Sequence[Message]) -> None:
-        t, n = self._now, self.fabric.n_hosts
-        self._sent_by_host[src] += len(msgs)
-        for m in msgs:
-            self._messages += 1
-            if self.table is not None:
-                self._pending_hosts[src] = None
-                self.schedule(t + self.delay, _DELIVER, (m, None))
-            elif self.control_on_data or self.jitter:
-                for h in range(n):
-                    if h != src:
-                        d = self.control_delay(src, h) if self.control_on_data else \
-                            self.delay + float(self.rng.uniform(0, self.jitter))
-                        self._ctl_sum += d
-                        self._ctl_n += 1
-                        self._ctl_max = max(self._ctl_max, d)
-                        self.schedule(t + d, _DELIVER, (m, (h,)))
-            else:
-                self.schedule(t + self.delay, _DELIVER, (m, tuple(h for h in range(n) if h != src)))
-
     def control_delay(self, src: int, dst: int) -> float:
         """In-band control: the delay plus jitter, plus the standing queue at every switch
         egress of the control connection's path where data is bottlenecked now."""
@@ -866,30 +627,6 @@ class FluidSim:
             if shares.beta_of[lk] and shares.capacity[lk] > 0:
                 d += self.data_queue / shares.capacity[lk]
         return d
-
-    def _apply_repaths(self, evs: Sequence[Repath]) -> bool:
-        """Move flows whose port changed after a race; True if any moved."""
-        changed = False
-        for ev in evs:
-            entry = self._by_core_flow.get(ev.flow)
-            if entry is None:
-                continue
-            t, k = entry
-            res, sub = t.res, t.subs[k]
-            res.repaths += 1
-            res.reserved = ev.reserved
-            if not ev.reserved:
-                res.fallback = True
-            if ev.port != sub.port:
-                sw = self._switch(res.src, res.dst, ev.port)
-                if sw != ev.path:
-                    self._count_mismatch()
-                self._move_sub(t, k, sw, ev.port)
-                self._race_moved.add(res.id)
-                changed = True
-        if changed:
-            self._spines_changed()
-        return changed
 
     def _move_sub(self, t: Transfer, k: int, path: int, port: int) -> None:
         """Sub-flow ``k`` of ``t`` now crosses ``path`` with source ``port``."""

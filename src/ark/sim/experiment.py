@@ -22,7 +22,7 @@ from ark.core.flows import FlowSpec
 from ark.core.pathmap import PathMapCache
 from ark.core.topology import PATH_KINDS, Fabric
 from ark.sim.config import ExperimentConfig
-from ark.sim.engine import MAP_CACHE, FluidSim
+from ark.sim.engine import MAP_CACHE, FluidSim, Progress
 from ark.sim.report import about
 from ark.sim.serving import Placed
 from ark.sim.steady import RUN_KEYS, run_fields
@@ -67,7 +67,7 @@ def _pathmaps(fabric: Fabric, port_range: tuple[int, int]) -> PathMapCache:
     key = (fabric, port_range)
     c = _PATHMAPS.get(key)
     if c is None:
-        c = _PATHMAPS[key] = PathMapCache(fabric, port_range, capacity=MAP_CACHE)
+        c = _PATHMAPS[key] = PathMapCache(fabric, port_range, capacity=MAP_CACHE, lazy=True)
     return c
 
 
@@ -141,8 +141,9 @@ def _pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) if len(a) else math.nan
 
 
-def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
-    """Simulate one (scheme, QPS, seed) and summarise it as a record."""
+def run_one(cfg: ExperimentConfig, spec: RunSpec, progress: Progress | None = None) -> RunOutput:
+    """Simulate one (scheme, QPS, seed) and summarise it as a record (``progress``: see
+    :meth:`FluidSim.run`)."""
     fabric = cfg.fabric.build()
     serving = cfg.serving.build(cfg.workload.model)
     placed = place(cfg, fabric, spec.qps, spec.seed)
@@ -168,7 +169,7 @@ def run_one(cfg: ExperimentConfig, spec: RunSpec) -> RunOutput:
         control=net.control,
         arbiter_rtt_s=net.arbiter_rtt_us / 1e6,  # 200 us reads 0.0002 s in the records
     )
-    res = sim.run(flows)
+    res = sim.run(flows, progress)
     fcts = [f.fct_s for f in res.flows]
     timing = serving.timings(placed, fcts)
     fct = np.asarray(fcts)

@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 
 from ark.core.hashing import hash_model, select, select_many
-from ark.core.pathmap import PathMap, pathmap_from_paths
+from ark.core.pathmap import PathMap, PortMap, pathmap_from_paths
 from ark.core.protocol import PathMaps
 from ark.core.schema import NonNegative, Positive
 from ark.core.topology import Fabric
@@ -148,13 +148,13 @@ class RebuiltMaps:
     def __init__(self, healthy: PathMaps, routes: FailedRoutes, port_range: tuple[int, int]) -> None:
         self._healthy = healthy
         self._routes, self._range = routes, port_range
-        self._failed: dict[tuple[int, int, int], PathMap] = {}
+        self._failed: dict[tuple[int, int, int], PortMap] = {}
         self.rebuilt = False
 
     def rebuild(self) -> None:
         self.rebuilt = True
 
-    def __call__(self, src: int, dst: int, dport: int) -> PathMap:
+    def __call__(self, src: int, dst: int, dport: int) -> PortMap:
         if not self.rebuilt:
             return self._healthy(src, dst, dport)
         key = (src, dst, dport)

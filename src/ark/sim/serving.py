@@ -104,7 +104,7 @@ class Serving:
     model: ModelSpec
     latency: LatencyModel
     mode: str = "paper"
-    placement: str = "auto"
+    placement: str = "round-robin"  # the config's "auto" arrives resolved (for_fabric)
     decode_slots: int = 64
 
     def __post_init__(self) -> None:

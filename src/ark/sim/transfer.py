@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ark.core.messages import FlowId
-    from ark.sim.engine import FlowResult
+    from ark.sim.results import FlowResult
 
 MAX_PARTS = 64  # sub-flows per transfer (their ids are spaced this far apart)
 

@@ -351,7 +351,7 @@ def measure(hosts: int, placement: str, *, flows: int = 2000, seed: int = 1,
     rng = np.random.default_rng(seed)
     specs = flows_for(fab, plan, rate_per_gpu, seconds, rng)
     sim = FluidSim(fab, "ark", seed=seed, control_delay_s=control_delay_s,
-                   pathmaps=PathMapCache(fab, capacity=4096))
+                   pathmaps=PathMapCache(fab, capacity=4096, lazy=True))
     res = sim.run(specs)
     started = np.bincount([f.src for f in specs], minlength=fab.n_hosts).tolist()
     return _rows(fab, placement, res.messages_by_host, seconds, len(specs), res.races, cost or AgentCost(),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ark.sim.control_plane import AgentCost, ControlPlaneError, fabric_for, measure, plan_for
+from ark.sim.control_cost import AgentCost, ControlPlaneError, fabric_for, measure, plan_for
 
 
 def test_placements_pair_leaves_within_a_pod_across_pods_or_not_at_all() -> None:
@@ -68,7 +68,7 @@ def _sim_sends(hosts: int, placement: str, flows: int, seed: int) -> tuple[list[
     import numpy as np
 
     from ark.core.pathmap import PathMapCache
-    from ark.sim.control_plane import PAPER_RATE_PER_GPU, flows_for
+    from ark.sim.control_cost import PAPER_RATE_PER_GPU, flows_for
     from ark.sim.engine import FluidSim
 
     fab = fabric_for(hosts)
@@ -95,7 +95,7 @@ def test_arbiter_rows_for_every_size_and_placement() -> None:
 
 
 def test_an_arbiter_agent_sends_its_own_operations_and_receives_one_reply_each() -> None:
-    from ark.sim.control_plane import ArbiterCost
+    from ark.sim.control_cost import ArbiterCost
 
     sent, seconds, started = _sim_sends(16, "any", 300, 2)
     arb = next(r for r in measure(16, "any", flows=300, seed=2) if r.mode == "arbiter")
@@ -119,7 +119,7 @@ def test_an_arbiter_agent_sends_its_own_operations_and_receives_one_reply_each()
 
 
 def test_arbiter_cpu_grows_linearly_with_its_requests_and_races_are_zero() -> None:
-    from ark.sim.control_plane import ArbiterCost, Row, _rows
+    from ark.sim.control_cost import ArbiterCost, Row, _rows
 
     fab = fabric_for(16)
     senders = plan_for(fab, "any").senders
