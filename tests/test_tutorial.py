@@ -61,6 +61,7 @@ def test_the_tutorial_steps_without_root_run_as_written(tmp_path) -> None:
             _run(block, tmp_path, expect)
 
 
+@pytest.mark.slow  # about 90 s: the whole tour, testbed runs included
 @pytest.mark.root
 @pytest.mark.skipif(netns.available() is not None, reason=f"testbed: {netns.available()}")
 def test_the_whole_tutorial_runs_as_written(tmp_path) -> None:

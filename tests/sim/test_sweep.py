@@ -107,6 +107,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # about 40 s: starts a Ray head
 def test_ray_on_a_local_head_gives_the_process_pool_bytes(tmp_path: Path, reference) -> None:
     pytest.importorskip("ray")
     ray_bin = shutil.which("ray") or str(Path(sys.executable).with_name("ray"))
