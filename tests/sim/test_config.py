@@ -33,7 +33,7 @@ def test_overrides_are_checked_like_a_file() -> None:
     with pytest.raises(ConfigError, match=r"^workload.requests: must be >= 1; got 0$"):
         config.default().with_overrides(requests=0)
     with pytest.raises(ConfigError, match=r"^experiment.schemes: must be one of ecmp, ark, ark-balance, spray, plb, letflow, conga, hedera, ark-split, "
-                       r"ecmp-split, oracle-path; got 'x'$"):
+                       r"ecmp-split, oracle-path, ark-conn, ecmp-conn; got 'x'$"):
         config.default().with_overrides(schemes=("x",))
 
 

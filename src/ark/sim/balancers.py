@@ -124,6 +124,18 @@ class SplitParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     parts: Annotated[int, msgspec.Meta(ge=1, le=MAX_PARTS)] = 3
 
 
+class ConnParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``[params.conn]`` table: ``ark-conn`` and ``ecmp-conn``: connections kept per peer pair.
+
+    Keys:
+        connections: Connections (or QPs) an engine opens to each peer and stripes every transfer over.
+        idle_s: A pair's connections that carried nothing this long are closed (their paths counted free).
+    """
+
+    connections: Annotated[int, msgspec.Meta(ge=1, le=MAX_PARTS)] = 2
+    idle_s: Positive = 1.0
+
+
 class SchemeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``[params]`` table: one sub-table per scheme with parameters.
 
@@ -133,6 +145,7 @@ class SchemeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         conga: CONGA's parameters.
         hedera: Hedera's parameters.
         split: The split schemes' parameters.
+        conn: The connection schemes' parameters.
     """
 
     plb: PlbParams = msgspec.field(default_factory=PlbParams)
@@ -140,6 +153,7 @@ class SchemeParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     conga: CongaParams = msgspec.field(default_factory=CongaParams)
     hedera: HederaParams = msgspec.field(default_factory=HederaParams)
     split: SplitParams = msgspec.field(default_factory=SplitParams)
+    conn: ConnParams = msgspec.field(default_factory=ConnParams)
 
 
 class Fluid(Protocol):

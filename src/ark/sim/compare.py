@@ -24,7 +24,7 @@ import numpy as np
 
 from ark.sim.balancers import TWO_TIER_ONLY
 from ark.sim.config import ExperimentConfig
-from ark.sim.engine import ARK_SCHEMES
+from ark.sim.engine import ARK_OFFERED, ARK_SCHEMES
 from ark.sim.experiment import (
     EXTRA_KEYS,
     PHASES,
@@ -118,8 +118,8 @@ def decisions(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if not at:
             continue
         best = at[0]
-        ark = [r for r in at if r["scheme"] in ARK_SCHEMES]
-        other = [r for r in at if r["scheme"] not in ARK_SCHEMES]
+        ark = [r for r in at if r["scheme"] in ARK_OFFERED]
+        other = [r for r in at if r["scheme"] not in ARK_OFFERED]
         out.append({
             "qps": q,
             "best": best["scheme"],

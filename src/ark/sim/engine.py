@@ -27,6 +27,9 @@ Schemes:
   control plane the flows that arrive and finish, and its events.
 * ``ecmp-split``: the same sub-flows on random source ports (what an engine with several
   connections gets without ARK).
+* ``ark-conn`` / ``ecmp-conn``: a few long-lived connections per peer pair, every transfer
+  striped over them; placed by ARK when each opens, or hashed from random ports
+  (:mod:`ark.sim.connections`).
 * ``plb``, ``letflow``, ``conga``, ``hedera``: the baselines of :mod:`ark.sim.balancers`.
 * ``oracle-path``: one path per flow, chosen by a controller that knows every flow's bytes
   left (:class:`ark.sim.balancers.OraclePath`): the bound of single-path placement.
@@ -62,6 +65,7 @@ from ark.core.topology import Fabric
 from ark.sim.arbiter_control import ArbiterControl, unsupported
 from ark.sim.balancers import Balancer, SchemeParams, make_balancer
 from ark.sim.broadcast_control import BroadcastControl
+from ark.sim.connections import CONN_SCHEMES, Connections
 from ark.sim.control import CONTROLS, ControlPlane, NoControl, Part
 from ark.sim.failure import FailedRoutes, LinkChange, RebuiltMaps
 from ark.sim.maxmin import FairShares, maxmin_rates
@@ -69,14 +73,15 @@ from ark.sim.results import FlowResult, SimResult
 from ark.sim.transfer import SubFlow, Transfer, sub_id, top_switches
 
 __all__ = [
-    "ARK_SCHEMES", "REPRODUCED", "SCHEMES", "FlowResult", "FlowSpec", "FluidSim", "SimError", "SimResult",
+    "ARK_OFFERED", "ARK_SCHEMES", "REPRODUCED", "SCHEMES", "FlowResult", "FlowSpec", "FluidSim", "SimError", "SimResult",
     "maxmin_rates",
 ]
 
 SCHEMES = ("ecmp", "ark", "ark-balance", "spray", "plb", "letflow", "conga", "hedera", "ark-split", "ecmp-split",
-           "oracle-path")
+           "oracle-path", "ark-conn", "ecmp-conn")
 REPRODUCED = ("ecmp", "ark", "ark-balance", "spray")  # what an experiment runs unless told otherwise
 ARK_SCHEMES = POLICIES  # the schemes an ArkCore runs: its policies
+ARK_OFFERED = (*ARK_SCHEMES, "ark-conn")  # what ARK offers a user: its policies and its connection placement
 SPLIT_SCHEMES = ("ark-split", "ecmp-split")
 
 _START, _CONTROL, _RESUME, _LB, _CHANGE, _REBUILD = range(6)
@@ -193,6 +198,14 @@ class FluidSim:
             offsets=self._off, rng=self.rng, dport=self.dport,
             parts=self.params.split.parts if self.scheme in SPLIT_SCHEMES else 1)
 
+    def _new_connections(self) -> Connections | None:
+        """A run's long-lived connections per peer pair (the connection schemes), else None."""
+        if self.scheme not in CONN_SCHEMES:
+            return None
+        p = self.params.conn
+        return Connections(self.fabric, self.scheme, self.pathmaps, self.dport, per_pair=p.connections,
+                           idle_s=p.idle_s, random_port=lambda: self.random_port(self.rng))
+
     def _capacities(self) -> list[float]:
         """Payload bytes/s per link."""
         fab = self.fabric
@@ -305,7 +318,9 @@ class FluidSim:
         self._now = 0.0
         self._dirty = False
         self._pending = len(flows)
-        self._multi = self.scheme in SPLIT_SCHEMES and self.params.split.parts > 1
+        self._multi = (self.scheme in SPLIT_SCHEMES and self.params.split.parts > 1) or (
+            self.scheme in CONN_SCHEMES and self.params.conn.connections > 1)
+        self._conns = self._new_connections()
         self.balancer: Balancer | None = make_balancer(self.scheme, self.params, self)
         self.control_plane = self._new_control(min([0.0, *(f.start_s for f in flows)]))
 
@@ -401,6 +416,8 @@ class FluidSim:
             self.control_plane.done(a, now)
             if self.balancer is not None:
                 self.balancer.done(a)
+            if self._conns is not None:
+                self._conns.release(a.res.src, a.res.dst, now)
         self._spines_changed()
         self._dirty = True
 
@@ -440,6 +457,10 @@ class FluidSim:
             return
         if self.scheme in ARK_SCHEMES:  # its control plane decides, now or later (start)
             self.control_plane.ask(f, self._now)
+            return
+        if self._conns is not None:
+            ports = self._conns.take(f.src, f.dst, self._now)
+            self._launch(f, res, self._subflows(f, res, [(p, self._switch(f.src, f.dst, p), None) for p in ports]))
             return
         self._launch(f, res, self._split(f, res) if self._multi else [self._first(f, res)])
 

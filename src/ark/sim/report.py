@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ark.sim.config import ExperimentConfig
-from ark.sim.engine import ARK_SCHEMES
+from ark.sim.engine import ARK_OFFERED
 from ark.sim.stats import paired_rows
 from ark.sim.steady import STEADY_SHARE, check, warning
 
@@ -77,7 +77,7 @@ def _means(records: Sequence[dict[str, Any]], q: float) -> dict[str, float]:
 
 
 def _decide(q: float, means: dict[str, float], pair: dict[str, Any], steady: bool) -> dict[str, Any]:
-    best_ark = min((s for s in means if s in ARK_SCHEMES), key=lambda s: means[s])
+    best_ark = min((s for s in means if s in ARK_OFFERED), key=lambda s: means[s])
     dep = [s for s in means if s not in BOUNDS]
     best = min(dep, key=lambda s: means[s])
     change, lo, hi = pair["ratio"] - 1, pair["ratio_lo"] - 1, pair["ratio_hi"] - 1
@@ -105,9 +105,9 @@ def go_no_go(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for q in sorted({r["qps"] for r in records}):
         means = _means(records, q)
-        if "ecmp" not in means or not any(s in ARK_SCHEMES for s in means):
+        if "ecmp" not in means or not any(s in ARK_OFFERED for s in means):
             continue
-        best_ark = min((s for s in means if s in ARK_SCHEMES), key=lambda s: means[s])
+        best_ark = min((s for s in means if s in ARK_OFFERED), key=lambda s: means[s])
         sel = [r for r in records if r["qps"] == q and r["scheme"] in ("ecmp", best_ark)]
         pair = paired_rows(sel, "fct_mean_s", "ecmp", ("qps",), resamples=2000)[0]
         out.append(_decide(q, means, pair, steady[q]))
