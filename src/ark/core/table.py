@@ -238,6 +238,11 @@ class ReservationTable:
         self._early_renew: dict[FlowId, Renew] = {}
         self._early_heap: list[tuple[float, FlowId]] = []  # (ts, flow) of kept early messages
         self._holders: dict[int, set[FlowId]] = {}
+        # Per link: its holders' backlog fold (last key, bytes left after it, its ts, its
+        # rate), kept as holders arrive in key order (an arbiter's decisions always do), so
+        # that link_backlog costs the same however many hold the link; dropped when a holder
+        # leaves or arrives out of order (folded again from the holders at the next ask).
+        self._backlog: dict[int, tuple[Key, float, float, float]] = {}
         self._stages = _StageIndex()
         self._stage_cache: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         # Per host pair, per path: the links the path holds (what links() answers).
@@ -571,6 +576,7 @@ class ReservationTable:
         self._evaluate(self._keys, _Sweep())
         # Rebuild the holders index and masks from scratch.
         self._holders = {}
+        self._backlog = {}
         masks = self._stages.masks
         for i in range(len(masks)):
             masks[i] = 0
@@ -895,9 +901,12 @@ class ReservationTable:
         return by_path[path]
 
     def _hold(self, flow: FlowId, links: Sequence[int], entry: Entry | None = None) -> None:
-        (entry or self._entries[flow]).held = True
-        holders = self._holders
+        entry = entry or self._entries[flow]
+        entry.held = True
+        holders, fold = self._holders, self._backlog
         for lk in links:
+            if fold:
+                _fold_in(fold, lk, entry.msg)
             s = holders.get(lk)
             if not s:
                 if s is None:
@@ -910,6 +919,7 @@ class ReservationTable:
     def _unhold(self, flow: FlowId, links: Sequence[int]) -> None:
         self._entries[flow].held = False
         for lk in links:
+            self._backlog.pop(lk, None)
             s = self._holders[lk]
             s.discard(flow)
             if not s:
@@ -1010,7 +1020,30 @@ class ReservationTable:
         holders = self._holders.get(link)
         if not holders:
             return 0.0
-        return backlog([self._entries[f].msg for f in holders], now)
+        fold = self._backlog.get(link)
+        if fold is None:
+            ordered = sorted((self._entries[f].msg for f in holders), key=lambda m: m.key)
+            left, t_prev = 0.0, ordered[0].ts
+            for m in ordered:
+                left = max(0.0, left - m.rate_bps / 8.0 * (m.ts - t_prev)) + m.nbytes
+                t_prev = m.ts
+            fold = self._backlog[link] = (ordered[-1].key, left, t_prev, ordered[-1].rate_bps)
+        _, left, t_prev, rate = fold
+        return max(0.0, left - rate / 8.0 * (now - t_prev))
+
+
+def _fold_in(fold: dict[int, tuple[Key, float, float, float]], link: int, m: Reserve) -> None:
+    """One more holder of ``link`` in its backlog fold (:meth:`ReservationTable.link_backlog`):
+    the same step as :func:`backlog`'s when it comes after every holder folded; else the
+    fold is dropped."""
+    f = fold.get(link)
+    if f is None:
+        return
+    key, left, t_prev, _ = f
+    if m.key > key:
+        fold[link] = (m.key, max(0.0, left - m.rate_bps / 8.0 * (m.ts - t_prev)) + m.nbytes, m.ts, m.rate_bps)
+    else:
+        del fold[link]
 
 
 def backlog(msgs: Sequence[Reserve], now: float) -> float:

@@ -1,0 +1,58 @@
+"""Arbiter CPU per multi-part ask as the table grows: one host asks ``--asks`` leases of
+``--parts`` parts to one destination (every path taken, so later parts share), on a 2-leaf
+fabric of ``--spines`` spines, the sans-IO core only (no sockets). Prints the mean ms per
+ask over the first and the last tenth of the asks, and optionally a cProfile of the run.
+
+    python scripts/arbiter-ask-cost.py --policy ark-balance --asks 250 --parts 16 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+from ark.core import arbiter_wire as w
+from ark.core.arbiter import Arbiter, ArbiterLimits
+from ark.core.fabric_config import FabricConfig
+from ark.core.lease import LeasePolicy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--policy", default="ark-balance")
+    ap.add_argument("--asks", type=int, default=250)
+    ap.add_argument("--parts", type=int, default=16)
+    ap.add_argument("--spines", type=int, default=4)
+    ap.add_argument("--profile", action="store_true")
+    a = ap.parse_args()
+    fabric = FabricConfig(leaves=2, spines=a.spines, gpus_per_leaf=2).build()
+    lim = ArbiterLimits(rate_per_host=1e9, burst_per_host=1 << 20)
+    arb = Arbiter(fabric, policy=a.policy, lease=LeasePolicy(30.0), limits=lim)
+    t = 1000.0
+    arb.start(t)
+    times = []
+    prof = cProfile.Profile() if a.profile else None
+    if prof:
+        prof.enable()
+    for rid in range(1, a.asks + 1):
+        data = w.encode(w.Ask(rid, 0, 2, 10**9, 4791, a.parts))  # host 0 -> host 2: the other leaf
+        t0 = time.perf_counter()
+        arb.on_host(0, data, t)
+        arb.flush()
+        times.append(time.perf_counter() - t0)
+        t += 0.0001
+    if prof:
+        prof.disable()
+    k = max(1, a.asks // 10)
+    first, last = sum(times[:k]) / k * 1e3, sum(times[-k:]) / k * 1e3
+    print(f"policy={a.policy} asks={a.asks} parts={a.parts} spines={a.spines}: "
+          f"ms per ask first {k}: {first:.3f}, last {k}: {last:.3f}, mean: {sum(times) / len(times) * 1e3:.3f}, "
+          f"table: {len(arb.table.table())} flows")
+    if prof:
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
