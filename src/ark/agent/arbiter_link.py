@@ -55,7 +55,7 @@ class ArbiterForwarder:
         c = agent.cluster
         self.link = ArbiterLink(len(c.arbiters), timeout_s=c.arbiter_timeout_s, probe_s=c.takeover_s / 5,
                                 forget_epoch_s=c.max_lease_s + c.takeover_s, held=self._held,
-                                incarnation=agent.node.incarnation)
+                                incarnation=agent.node.incarnation, max_epoch_jump=c.arbiter_max_epoch_jump)
         self.socks: dict[int, zmq.Socket] = {}
         self._rank: dict[zmq.Socket, int] = {}
         self.unsent = 0

@@ -1,0 +1,103 @@
+"""The arbiter's connections, shared out per listed host.
+
+An agent's :class:`~ark.agent.sockets.ConnectionGuard` judges a connection by its address
+when it is accepted; at the arbiter every listed host and arbiter has a share of its own,
+counted once the connection has said who it is:
+
+* a connection is *pending* from its accept until its first message, whose sender the
+  CURVE handshake proved (the ZAP handler stamps the sender's key on every message, and
+  ZeroMQ names the descriptor it came in on). Pending connections are capped per address
+  (:data:`PENDING_PER_ADDRESS`; addresses no listed host or arbiter has share
+  :data:`~ark.agent.sockets.STRANGERS` between them), and a new one closes the oldest of
+  its address beyond that: keyless TCP and handshakes that go nowhere crowd out only
+  their own address's, and only until the next one comes;
+* a connection that has spoken counts against its sender's share
+  (:data:`PER_SENDER`); a sender's connection beyond it closes that sender's oldest, so
+  one host holding hundreds of connections holds only its own share;
+* the whole budget (the agents' one) is kept by closing the oldest pending connection.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ark.agent.sockets import STRANGERS, ConnectionGuard, _peer_ip
+
+PER_SENDER = 4  # connections one listed host (or arbiter) keeps open at once
+PENDING_PER_ADDRESS = 16  # connections from one listed address that have not said who they are
+
+
+class SharedGuard(ConnectionGuard):
+    """:class:`ConnectionGuard` with per-sender shares (see the module docstring)."""
+
+    def __init__(self, sock: zmq.Socket, budget: int, listed_ips: set[str]) -> None:
+        super().__init__(sock, budget, listed_ips)
+        self._pending: OrderedDict[int, str] = OrderedDict()  # fd -> its pool (an address, or "" for strangers)
+        self._owner: dict[int, object] = {}  # fd -> the sender that spoke on it
+        self._of: dict[object, OrderedDict[int, None]] = {}  # sender -> its fds, oldest first
+        self.shed_pending = 0
+        self.shed_sender = 0
+
+    def drain(self, limit: int = 4096) -> None:
+        for _ in range(limit):
+            if not int(self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                return
+            ev = parse_monitor_message(self.monitor.recv_multipart())
+            fd = int(ev["value"])
+            if ev["event"] == zmq.EVENT_DISCONNECTED:
+                self._forget(fd)
+            elif fd not in self._owner:  # a message may have come in (and named it) before its accept
+                self._accepted(fd)
+
+    def _accepted(self, fd: int) -> None:
+        self._forget(fd)
+        ip = _peer_ip(fd)
+        pool = ip if ip in self.listed_ips else ""
+        cap = PENDING_PER_ADDRESS if pool else STRANGERS
+        same = [f for f, p in self._pending.items() if p == pool]  # oldest first
+        if len(same) >= cap:
+            self._close(same[0])
+            self.shed_pending += 1
+        if len(self._pending) + len(self._owner) >= self.budget:
+            if not self._pending:  # every share is full (a budget below the shares): the new one waits
+                self._shed(fd)
+                return
+            self._close(next(iter(self._pending)))
+            self.shed_pending += 1
+        self._pending[fd] = pool
+        self.open[fd] = not pool
+
+    def spoke(self, fd: int, sender: object) -> None:
+        """A message from ``sender`` (its key authenticated) came in on descriptor ``fd``."""
+        if self._owner.get(fd) == sender:
+            return
+        self.drain()  # its accept (or an earlier connection's end on that descriptor) first
+        self._forget(fd)
+        self._owner[fd] = sender
+        self.open[fd] = False
+        fds = self._of.setdefault(sender, OrderedDict())
+        fds[fd] = None
+        if len(fds) > PER_SENDER:
+            self._close(next(iter(fds)))
+            self.shed_sender += 1
+
+    def _close(self, fd: int) -> None:
+        self._forget(fd)
+        self._shed(fd)
+
+    def _forget(self, fd: int) -> None:
+        self.open.pop(fd, None)
+        self._pending.pop(fd, None)
+        sender = self._owner.pop(fd, None)
+        if sender is not None:
+            fds = self._of[sender]
+            fds.pop(fd, None)
+            if not fds:
+                del self._of[sender]
+
+    def counts(self) -> dict[str, int]:
+        return {"pending": len(self._pending), "spoken": len(self._owner), "shed_pending": self.shed_pending,
+                "shed_sender": self.shed_sender, "shed": self.shed}
