@@ -5,6 +5,8 @@ message kind, and an arbiter key's forged epochs and oversized grants."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from pathlib import Path
@@ -305,3 +307,54 @@ def test_an_agent_refuses_grants_of_more_parts_than_asked_and_forged_epochs(tmp_
     finally:
         procs.stop_all()
         fake.close()
+
+
+def test_keyless_connections_reopened_from_a_listed_address_leave_an_honest_agent_its_share(tmp_path: Path) -> None:
+    """Raw TCP from the hosts' own address that never finishes a handshake, 100 new ones a
+    second (each lives the 2 s handshake timeout): they crowd out only that address's
+    silent connections, and the honest agent's says who it is as soon as it is up."""
+    cf, names = write_cluster(tmp_path, 4, arbiters=1, control="arbiter", lease_min_s=30.0, arbiter_timeout_s=0.5)
+    cl = load_cluster(cf)
+    port = int(cl.arbiters[0].control.rsplit(":", 1)[1])
+    procs = AgentProcs(cf, [names[3]], tmp_path)
+    procs.start("arb0")
+    stop = threading.Event()
+
+    def flood() -> None:
+        open_: list[socket.socket] = []
+        while not stop.is_set():
+            for _ in range(10):
+                s = socket.socket()
+                with contextlib.suppress(OSError):
+                    s.connect(("127.0.0.1", port))
+                open_.append(s)
+            while len(open_) > 300:
+                open_.pop(0).close()
+            time.sleep(0.1)
+        for s in open_:
+            s.close()
+
+    t = threading.Thread(target=flood, daemon=True)
+    try:
+        time.sleep(1.0)
+        t.start()
+        time.sleep(3.0)  # the budget (84 connections here) would be full by now
+        procs.start(names[3])
+        procs.wait_ready([names[3]])
+        with ArkClient(procs.api(names[3]), timeout_s=5.0) as honest:
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            lease = honest.reserve(names[2], 10**9)
+            while not lease.reserved and time.monotonic() - t0 < 1.0:
+                honest.release(lease.flow_id)
+                time.sleep(0.05)
+                lease = honest.reserve(names[2], 10**9)
+            took = time.monotonic() - t0
+        assert lease.reserved and took < 1.0, (lease, took)
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
+        procs.stop_all()
+    rec = _exit_record(tmp_path / "arb0.log")
+    assert rec["connections"]["shed_pending"] >= 100, rec["connections"]

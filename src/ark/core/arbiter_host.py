@@ -162,6 +162,15 @@ class ArbiterLink:
         step = w.MAX_FLOWS_PER_MESSAGE
         return [o for i in range(0, len(flows), step) for o in self._request(tag, make(flows[i:i + step]), now)]
 
+    def hello(self, rank: int) -> list[LinkOut]:
+        """A ping for arbiter ``rank`` on a new connection, whose answer finishes nothing
+        (an arbiter counts a connection as this host's once it has spoken)."""
+        rid = self._next_rid()
+        if len(self._pings) >= 1024:  # unanswered ones (bounded: an arbiter may never answer)
+            self._pings.clear()
+        self._pings.add(rid)
+        return [LinkOut(rank, w.encode(w.Ping(rid, self.epoch)))]
+
     def _next_rid(self) -> int:
         self._rid += 1
         return self._rid
