@@ -150,6 +150,7 @@ class ArbiterProcess:
                     self.guard.drain()
                 if self.inbox in events:
                     self._drain()
+                self.guard.expire(time.monotonic())
                 self._timers(time.time())
                 self._log_role()
         finally:

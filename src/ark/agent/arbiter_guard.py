@@ -8,9 +8,10 @@ counted once the connection has said who it is:
   CURVE handshake proved (the ZAP handler stamps the sender's key on every message, and
   ZeroMQ names the descriptor it came in on). Pending connections are capped per address
   (:data:`PENDING_PER_ADDRESS`; addresses no listed host or arbiter has share
-  :data:`~ark.agent.sockets.STRANGERS` between them), and a new one closes the oldest of
-  its address beyond that: keyless TCP and handshakes that go nowhere crowd out only
-  their own address's, and only until the next one comes;
+  :data:`~ark.agent.sockets.STRANGERS` between them), a new one closes the oldest of
+  its address beyond that, and none lives past :data:`PENDING_S` (agents say hello on
+  every new connection): keyless TCP, handshakes that go nowhere and silent keys crowd
+  out only their own address's, and only for a while;
 * a connection that has spoken counts against its sender's share
   (:data:`PER_SENDER`); a sender's connection beyond it closes that sender's oldest, so
   one host holding hundreds of connections holds only its own share;
@@ -19,6 +20,7 @@ counted once the connection has said who it is:
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import zmq
@@ -28,6 +30,7 @@ from ark.agent.sockets import STRANGERS, ConnectionGuard, _peer_ip
 
 PER_SENDER = 4  # connections one listed host (or arbiter) keeps open at once
 PENDING_PER_ADDRESS = 16  # connections from one listed address that have not said who they are
+PENDING_S = 5.0  # how long a connection may stay silent (the handshake alone may take 2 s)
 
 
 class SharedGuard(ConnectionGuard):
@@ -35,7 +38,8 @@ class SharedGuard(ConnectionGuard):
 
     def __init__(self, sock: zmq.Socket, budget: int, listed_ips: set[str]) -> None:
         super().__init__(sock, budget, listed_ips)
-        self._pending: OrderedDict[int, str] = OrderedDict()  # fd -> its pool (an address, or "" for strangers)
+        # fd -> its pool (an address, or "" for strangers) and when it was accepted, oldest first
+        self._pending: OrderedDict[int, tuple[str, float]] = OrderedDict()
         self._owner: dict[int, object] = {}  # fd -> the sender that spoke on it
         self._of: dict[object, OrderedDict[int, None]] = {}  # sender -> its fds, oldest first
         self.shed_pending = 0
@@ -57,7 +61,7 @@ class SharedGuard(ConnectionGuard):
         ip = _peer_ip(fd)
         pool = ip if ip in self.listed_ips else ""
         cap = PENDING_PER_ADDRESS if pool else STRANGERS
-        same = [f for f, p in self._pending.items() if p == pool]  # oldest first
+        same = [f for f, (p, _) in self._pending.items() if p == pool]  # oldest first
         if len(same) >= cap:
             self._close(same[0])
             self.shed_pending += 1
@@ -67,8 +71,17 @@ class SharedGuard(ConnectionGuard):
                 return
             self._close(next(iter(self._pending)))
             self.shed_pending += 1
-        self._pending[fd] = pool
+        self._pending[fd] = (pool, time.monotonic())
         self.open[fd] = not pool
+
+    def expire(self, now: float) -> None:
+        """Close the connections silent for longer than :data:`PENDING_S` (``now``: monotonic)."""
+        while self._pending:
+            fd, (_, since) = next(iter(self._pending.items()))
+            if now - since < PENDING_S:
+                return
+            self._close(fd)
+            self.shed_pending += 1
 
     def spoke(self, fd: int, sender: object) -> None:
         """A message from ``sender`` (its key authenticated) came in on descriptor ``fd``."""
