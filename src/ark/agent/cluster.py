@@ -157,7 +157,7 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # Arbiters ([[arbiters]], ark arbiter): a follower that hears no leader this long leads
     # (arbiters beat every takeover_s / 5).
     takeover_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
-    arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # requests/s a host may send
+    arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # tokens/s a host gets (a part, a flow, a ping: one)
     arbiter_burst_per_host: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
     arbiter_max_epoch_jump: Annotated[int, msgspec.Meta(ge=1, le=(1 << 30) - 1)] = 1 << 16
     # "broadcast": every agent keeps a replica of the table (scope above says of which part).

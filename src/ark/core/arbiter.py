@@ -100,7 +100,7 @@ class ArbiterLimits:
     """What one listed host can make the arbiter keep or do."""
 
     max_flows_per_host: int = 4096  # live reservations; beyond: plain ECMP
-    rate_per_host: float = 2000.0  # requests per second (token bucket); beyond: plain ECMP
+    rate_per_host: float = 2000.0  # tokens per second: one per part, flow or ping; beyond: plain ECMP
     burst_per_host: int = 256
     max_epoch_jump: int = 1 << 16  # an arbiter's epoch more than this above the highest seen: refused
 
