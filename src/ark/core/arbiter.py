@@ -201,7 +201,8 @@ class Arbiter:
     def _new_table(self) -> ReservationTable:
         lim = CoreLimits(max_flows_per_host=self.limits.max_flows_per_host)
         return ReservationTable(self.routes, policy=self.policy, retention_s=self._retention,
-                                expiry_grace_s=self._grace, counters=self.table_counters, limits=lim)
+                                expiry_grace_s=self._grace, counters=self.table_counters, limits=lim,
+                                backlog_index=True)
 
     @property
     def leading(self) -> bool:
