@@ -146,10 +146,10 @@ class ArbiterProcess:
                 now = time.time()
                 timeout = min(1.0, max(0.0, self.core.next_deadline() - now))
                 events = dict(self.poller.poll(max(0, math.ceil(timeout * 1000))))
+                if self.inbox in events:  # first: a connection that has spoken is its sender's
+                    self._drain()
                 if self.guard.monitor in events:
                     self.guard.drain()
-                if self.inbox in events:
-                    self._drain()
                 self.guard.expire(time.monotonic())
                 self._timers(time.time())
                 self._log_role()

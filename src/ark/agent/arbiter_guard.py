@@ -85,9 +85,13 @@ class SharedGuard(ConnectionGuard):
 
     def spoke(self, fd: int, sender: object) -> None:
         """A message from ``sender`` (its key authenticated) came in on descriptor ``fd``."""
-        if self._owner.get(fd) == sender:
+        owner = self._owner.get(fd)
+        if owner == sender:
             return
-        self.drain()  # its accept (or an earlier connection's end on that descriptor) first
+        if owner is not None:  # the descriptor was another's: that connection's end first
+            self.drain()
+        # Not drained otherwise: accepts that came after it must not close it now that it
+        # has spoken (its accept, if not seen yet, is passed over when it comes).
         self._forget(fd)
         self._owner[fd] = sender
         self.open[fd] = False
