@@ -16,6 +16,9 @@ counted once the connection has said who it is:
   (:data:`PER_SENDER`); a sender's connection beyond it closes that sender's oldest, so
   one host holding hundreds of connections holds only its own share;
 * the whole budget (the agents' one) is kept by closing the oldest pending connection.
+
+The arbiter handles each wakeup's messages before its accept events, so a connection
+that has spoken is its sender's before any later accept can close it as a silent one.
 """
 
 from __future__ import annotations
