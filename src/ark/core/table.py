@@ -239,15 +239,11 @@ class ReservationTable:
         self._early_renew: dict[FlowId, Renew] = {}
         self._early_heap: list[tuple[float, FlowId]] = []  # (ts, flow) of kept early messages
         self._holders: dict[int, set[FlowId]] = {}
-        # Per link: its holders' backlog fold (last key, bytes left after it, its ts, its
-        # rate), kept as holders arrive in key order (an arbiter's decisions always do), so
-        # that link_backlog costs the same however many hold the link; dropped when a holder
-        # leaves or arrives out of order (folded again from the holders at the next ask).
+        # Per link: its holders' backlog fold (last key, bytes left, its ts, its rate), kept
+        # as holders arrive in key order; dropped when one leaves or comes out of order. With
+        # backlog_index (an arbiter's), a link that lost one (_churned) keeps a tree of the
+        # fold's steps instead (_LinkBacklog: O(log n) a holder; equal up to rounding).
         self._backlog: dict[int, tuple[Key, float, float, float]] = {}
-        # backlog_index (an arbiter's table): a link whose fold a leaving holder dropped
-        # (_churned) gets its holders as a tree of the fold's steps instead (_LinkBacklog),
-        # which a holder leaving costs O(log n), not a fold of them all again; equal to the
-        # fold up to rounding.
         self._trees: dict[int, _LinkBacklog] | None = {} if backlog_index else None
         self._churned: set[int] = set()
         self._stages = _StageIndex()
