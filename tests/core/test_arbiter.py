@@ -256,3 +256,66 @@ def test_bad_construction_is_refused_in_one_line() -> None:
         Arbiter(PAPER, heartbeat_s=1.0, takeover_s=0.5)
     with pytest.raises(CoreError, match="rate_per_host"):
         ArbiterLimits(rate_per_host=float("nan"))
+
+
+def test_every_message_kind_takes_tokens_by_its_parts_or_flows() -> None:
+    a = _arbiter("ark-balance", limits=ArbiterLimits(rate_per_host=40.0, burst_per_host=32))
+    flows = [p.flow for p in _ask(a, 0, 1, parts=16).parts]  # 16 tokens of 32
+    assert all(p.reserved for p in _ask(a, 0, 2, parts=16).parts)  # 32
+    assert not any(p.reserved for p in _ask(a, 0, 3, parts=16).parts)  # 16 more: beyond
+    a.on_host(0, w.encode(w.Extend(4, 0, flows)), 0.5)  # 20 tokens back, 16 taken: renewed
+    renewed = a.counters.renewed
+    assert renewed == 16
+    ext = w.decode_to_host(a.on_host(0, w.encode(w.Extend(5, 0, flows)), 0.5)[0].data)
+    assert isinstance(ext, w.Extended) and all(s > 0 for s in ext.lease_s)  # beyond: leases as they stand
+    assert a.counters.renewed == renewed and a.counters.rate_limited == 2
+    assert all(p.reserved for p in _ask(a, 0, 6, parts=4, now=0.5).parts)  # the last 4 tokens
+    assert a.on_host(0, w.encode(w.Ping(7, 0)), 0.5) == []  # a ping beyond the tokens: unanswered
+    assert a.on_host(0, w.encode(w.Ask(1, 0, 8, 10**8, 4791, 16)), 0.5) == []  # so is a retry
+    a.on_host(0, w.encode(w.Drop(8, 0, flows)), 0.5)  # beyond, yet released: a release only frees
+    assert a.counters.released == 16 and a.counters.rate_limited == 5
+    assert a.on_host(1, w.encode(w.Ping(1, 0)), 0.5) != []  # another host's tokens are its own
+
+
+def test_a_forged_epoch_from_the_other_arbiter_is_refused_and_no_epoch_left_means_following() -> None:
+    a = Arbiter(PAPER, rank=0, arbiters=2, lease=LEASE, heartbeat_s=0.1, takeover_s=0.5,
+                limits=ArbiterLimits(max_epoch_jump=100))
+    a.start(0.0)
+    a.tick(0.6)
+    assert a.leading and a.epoch == 2
+    assert a.on_arbiter(1, w.encode(w.Beat((1 << 30) - 1, True, True)), 0.7) == []
+    assert a.leading and a.counters.epoch_jumps == 1 and a.seen_epoch == 2
+    a.on_arbiter(1, w.encode(w.Beat(101, True, True)), 0.8)  # within the bound: a real leader's, followed
+    assert not a.leading and a.seen_epoch == 101
+    b = Arbiter(PAPER, rank=0, arbiters=2, lease=LEASE, heartbeat_s=0.1, takeover_s=0.5, seen_epoch=(1 << 30) - 1)
+    b.start(0.0)
+    for t in (0.6, 1.2, 1.8):  # it would lead, but no epoch is left: it follows, counted, and never raises
+        b.tick(t)
+        assert not b.leading
+    assert b.counters.epoch_exhausted >= 2 and b.next_deadline() > 1.8
+
+
+def test_a_links_backlog_kept_as_holders_come_and_go_equals_folding_them_all_again() -> None:
+    # Asks only: the running fold, exactly. Releases too: the tree of the fold's steps, to rounding.
+    from ark.core.table import backlog
+
+    a = _arbiter("ark-balance")
+    rng = random.Random(3)
+    live: list[tuple[int, int]] = []
+    now, folds = 0.0, 0
+    for rid in range(1, 400):
+        now += rng.random() * 0.01
+        if live and rng.random() < 0.3:
+            f = live.pop(rng.randrange(len(live)))
+            a.on_host(f[0], w.encode(w.Drop(rid, 0, [f])), now)
+        else:
+            host = rng.randrange(8)
+            g = w.decode_to_host(a.on_host(host, w.encode(w.Ask(rid, 0, 8 + rng.randrange(8), rng.randrange(1, 10**9),
+                                                                    4791, rng.randrange(1, 5))), now)[0].data)
+            assert isinstance(g, w.Grant)
+            live += [p.flow for p in g.parts if p.reserved]
+        folds += bool(a.table._backlog)
+        for lk in list(a.table._holders)[:6]:
+            want = backlog([a.table.get(f).msg for f in a.table.holders(lk)], now)  # type: ignore[union-attr]
+            assert a.table.link_backlog(lk, now) == pytest.approx(want, rel=1e-9, abs=1e-3)
+    assert a.table._trees and folds  # both ways were taken

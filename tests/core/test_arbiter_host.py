@@ -315,3 +315,25 @@ def test_a_release_made_while_no_arbiter_answers_reaches_the_leader_found_next()
     net.run_until(net.now + 0.3)
     assert net.link.up and net.link.epoch == net.arbs[0].epoch
     assert net.arbs[0].table.get(flow).released is not None  # type: ignore[union-attr]
+
+
+def test_a_grant_of_more_parts_than_asked_or_a_forged_epoch_is_refused_and_counted() -> None:
+    link = ArbiterLink(2, timeout_s=0.05, max_epoch_jump=1000)
+    link.on_arbiter(0, w.encode(w.Pong(99, 4)), 0.0)  # epoch 4 heard
+    out = link.ask("x", 8, 10**6, 4791, 1, 0.0)
+    rid = link._rid
+    part = w.Part((0, 4 << 32 | 1), 0, True, False, 10.0)
+    assert out[0].rank == 0
+    again = link.on_arbiter(0, w.encode(w.Grant(rid, 4, [part] * 2)), 0.0)  # two parts for one
+    assert link.counters.misfits == 1 and link.take_done() == [] and again[0].rank == 1  # asked of the next
+    link.on_arbiter(1, w.encode(w.Grant(rid, 4 + 1001, [part])), 0.0)  # far above every epoch heard
+    assert link.counters.epoch_jumps == 1 and link.epoch == 4 and link.take_done() == []
+    link.on_arbiter(1, w.encode(w.Dropped(rid, 5)), 0.0)  # another kind of answer
+    assert link.counters.misfits == 2 and link.epoch == 4
+    (unanswered,) = link.take_done()  # every arbiter tried: plain ECMP, and the link is down
+    assert unanswered.answer is None and not link.up
+    link.on_arbiter(1, w.encode(w.Pong(12345, 5)), 0.05)  # the next leader answers: up again
+    link.ask("y", 8, 10**6, 4791, 1, 0.1)
+    link.on_arbiter(link.leader, w.encode(w.Grant(link._rid, 5, [part])), 0.1)  # the next leader's: taken
+    (done,) = link.take_done()
+    assert done.tag == "y" and link.epoch == 5

@@ -6,13 +6,17 @@ Sockets (ZeroMQ, CURVE on every link, as the agents'):
   only the keys of the cluster file's hosts and arbiters, and stamps every message with
   its sender's key (``User-Id``): a host's request counts only as that host's, an
   arbiter's message only as that arbiter's. The connection budget and the handshake
-  timeout are the agents' (:class:`ark.agent.sockets.ConnectionGuard`);
+  timeout are the agents'; within the budget every listed host and arbiter has a share
+  of its own, counted once a connection has spoken (:class:`ark.agent.arbiter_guard.SharedGuard`);
 * outbound: one DEALER per other arbiter (CURVE client pinned to its key): beats, the
   table's changes, sync. Replies to hosts go back through the ROUTER.
 
-Requests are taken in batches: every message waiting is handled (at most ``BATCH`` per
-wakeup), each answered as soon as it is decided, then the batch's table changes go to the
-followers in one message. Time is the wall clock.
+Requests are taken in batches: the messages waiting are handled (at most ``BATCH``, for at
+most ``BATCH_S``, per wakeup), each answered as soon as it is decided, then the batch's
+table changes go to the followers in one message. Within a batch, the changes so far and
+any beat that falls due go out every quarter beat, so that no batch, however long, keeps
+the followers from hearing the leader. An error in a handler or a timer is counted and
+logged once per kind, never fatal. Time is the wall clock.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from ark.agent.arbiter_guard import SharedGuard
 from ark.agent.cluster import ArbiterEntry, Cluster
 from ark.agent.incarnation import IncarnationError, keep_epoch
 from ark.agent.logs import event as _ev
@@ -34,7 +39,6 @@ from ark.agent.logs import setup_logging
 from ark.agent.sockets import (
     HANDSHAKE_IVL_MS,
     AgentError,
-    ConnectionGuard,
     ZapKeys,
     bind,
     check_resolvable,
@@ -49,6 +53,7 @@ from ark.core.arbiter_wire import MAX_ARBITER_MESSAGE_BYTES
 
 log = logging.getLogger("ark.arbiter")
 BATCH = 4096  # messages handled per wakeup at most (then timers and followers get their turn)
+BATCH_S = 0.05  # and seconds per wakeup at most
 
 
 class ArbiterProcess:
@@ -61,7 +66,7 @@ class ArbiterProcess:
             check_resolvable(a.control, f"arbiters[{a.rank}].control")
         c = cluster
         limits = ArbiterLimits(max_flows_per_host=c.max_flows_per_host, rate_per_host=c.arbiter_rate_per_host,
-                               burst_per_host=c.arbiter_burst_per_host)
+                               burst_per_host=c.arbiter_burst_per_host, max_epoch_jump=c.arbiter_max_epoch_jump)
         try:  # the highest epoch this arbiter led or heard of: it leads above it (hosts refuse older epochs)
             self._seen_epoch = keep_epoch(c.state_dir, f"arbiter-{name}", 0)
         except IncarnationError as e:
@@ -73,6 +78,7 @@ class ArbiterProcess:
         self._sender.update({a.public_key.encode(): (-1, a.rank) for a in c.arbiters})
         self._stop = False
         self.errors = 0
+        self._error_kinds: dict[str, int] = {}  # where and what: how often (each logged the first time)
         self.unsent = 0
         self._role = ""
 
@@ -92,7 +98,7 @@ class ArbiterProcess:
             inbox.setsockopt(opt, val)
         budget = min(self.cluster.connections(len(self.cluster.hosts) + len(self.cluster.arbiters)), max(16, fds - 256))
         ips = endpoint_ips([*(h.control for h in self.cluster.hosts), *(a.control for a in self.cluster.arbiters)])
-        self.guard = ConnectionGuard(inbox, budget, ips)
+        self.guard = SharedGuard(inbox, budget, ips)
         bind(inbox, self.me.control, "control")
         self.out: dict[int, zmq.Socket] = {}
         for a in self.cluster.arbiters:
@@ -140,41 +146,67 @@ class ArbiterProcess:
                 now = time.time()
                 timeout = min(1.0, max(0.0, self.core.next_deadline() - now))
                 events = dict(self.poller.poll(max(0, math.ceil(timeout * 1000))))
+                if self.inbox in events:  # first: a connection that has spoken is its sender's
+                    self._drain()
                 if self.guard.monitor in events:
                     self.guard.drain()
-                if self.inbox in events:
-                    self._drain()
-                now = time.time()
-                if now >= self.core.next_deadline():
-                    self.send(self.core.tick(now))
+                self.guard.expire(time.monotonic())
+                self._timers(time.time())
                 self._log_role()
         finally:
-            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(time.time())))
+            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(time.time()),
+                           connections=self.guard.counts(), errors=dict(self._error_kinds)))
             self._close()
 
+    def _timers(self, now: float) -> None:
+        """The core's timers when due; an error there is counted, never the end of the process."""
+        try:
+            if now >= self.core.next_deadline():
+                self.send(self.core.tick(now))
+        except Exception as e:
+            self._error("tick", e)
+
     def _drain(self) -> None:
-        """A batch: every waiting message answered as decided, then the changes sent once."""
+        """A batch: waiting messages answered as decided, the changes sent every quarter
+        beat and at the end; at most ``BATCH`` messages and ``BATCH_S`` seconds."""
         sock, core = self.inbox, self.core
         n = 0
+        start = flushed = time.time()
+        every = min(BATCH_S, core.heartbeat_s / 4)
         while n < BATCH and readable(sock):
             frames = recv_frames(sock)
             n += 1
+            now = time.time()
+            if now - flushed >= every:  # the followers hear the leader whatever the batch holds
+                flushed = now
+                self._flush(now)
+            if now - start >= BATCH_S:
+                n = BATCH  # this one, then the timers' turn
             if len(frames) != 2:
                 core.counters.invalid += 1
                 continue
             user = frames[1].get("User-Id")
-            host, rank = self._sender.get(user.encode() if isinstance(user, str) else b"", (-1, -1))
-            now = time.time()
+            key = user.encode() if isinstance(user, str) else b""
+            host, rank = self._sender.get(key, (-1, -1))
             try:
+                if host >= 0 or rank >= 0:
+                    self.guard.spoke(int(frames[1].get(zmq.SRCFD)), key)
                 if host >= 0:
                     self._reply(frames[0], core.on_host(host, frames[1].bytes, now))
                 elif rank >= 0:
                     self.send(core.on_arbiter(rank, frames[1].bytes, now))
                 else:
                     core.counters.invalid += 1
-            except Exception:  # a message that breaks a handler is dropped, never fatal
-                self._error()
-        self.send(core.flush())
+            except Exception as e:  # a message that breaks a handler is dropped, never fatal
+                self._error("message", e)
+        self._flush(time.time())
+
+    def _flush(self, now: float) -> None:
+        try:
+            self.send(self.core.flush())
+        except Exception as e:
+            self._error("flush", e)
+        self._timers(now)
 
     def _reply(self, ident: zmq.Frame, outs: list[ArbiterOut]) -> None:
         for o in outs:
@@ -197,10 +229,14 @@ class ArbiterProcess:
             except zmq.Again:  # the other arbiter is away: it fetches the whole table when back
                 self.unsent += 1
 
-    def _error(self) -> None:
+    def _error(self, where: str, e: Exception) -> None:
+        """Counted per kind (where, and the exception's type); each kind logged once."""
         self.errors += 1
-        if self.errors <= 20 or self.errors % 1000 == 0:
-            log.exception(**_ev("handler_error", name=self.me.name, count=self.errors))
+        kind = f"{where}: {type(e).__name__}"
+        seen = self._error_kinds.get(kind, 0)
+        self._error_kinds[kind] = seen + 1
+        if not seen:
+            log.exception(**_ev("handler_error", name=self.me.name, kind=kind, count=self.errors))
 
     def _log_role(self) -> None:
         seen = self.core.seen_epoch

@@ -4,7 +4,9 @@ The agent keeps no replica. Its :class:`~ark.core.node.Node` has no peers and ho
 this host's flows, for their source ports, leases and the local API's bookkeeping; every
 decision is the arbiters'. :class:`ArbiterForwarder` moves the bytes of an
 :class:`ark.core.arbiter_host.ArbiterLink`: one DEALER per arbiter (CURVE client with the
-host's own keys, pinned to the arbiter's public key), polled by the agent's loop.
+host's own keys, pinned to the arbiter's public key), polled by the agent's loop. Each
+new connection says hello at once (a ``Ping``): an arbiter counts a connection as its
+host's only once it has spoken, and closes the oldest silent ones first.
 
 * ``reserve``: an ``Ask`` (destination, bytes, destination port, parts); the engine's
   reply waits for the ``Grant``, whose paths the node turns into source ports
@@ -55,9 +57,10 @@ class ArbiterForwarder:
         c = agent.cluster
         self.link = ArbiterLink(len(c.arbiters), timeout_s=c.arbiter_timeout_s, probe_s=c.takeover_s / 5,
                                 forget_epoch_s=c.max_lease_s + c.takeover_s, held=self._held,
-                                incarnation=agent.node.incarnation)
+                                incarnation=agent.node.incarnation, max_epoch_jump=c.arbiter_max_epoch_jump)
         self.socks: dict[int, zmq.Socket] = {}
         self._rank: dict[zmq.Socket, int] = {}
+        self._hello: dict[zmq.Socket, int] = {}  # a DEALER's monitor (handshakes done) -> its arbiter
         self.unsent = 0
         self.bad_grants = 0  # grant parts this node could not take (an id not ours, or held already)
         self._up = True
@@ -72,10 +75,15 @@ class ArbiterForwarder:
             d.connect(a.control)
             self.socks[a.rank] = d
             self._rank[d] = a.rank
+            mon = d.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._hello[mon] = a.rank
             for p in pollers:
                 p.register(d, zmq.POLLIN)
+                p.register(mon, zmq.POLLIN)
 
     def close(self) -> None:
+        for mon in self._hello:
+            mon.close(0)
         for s in self.socks.values():
             s.close(0)
 
@@ -89,6 +97,14 @@ class ArbiterForwarder:
         self._finish(time.time())
 
     def drain(self, events: dict[Any, int], limit: int = 1024) -> None:
+        for mon, rank in self._hello.items():
+            if mon in events:
+                new = 0
+                while new < limit and readable(mon):
+                    mon.recv_multipart()
+                    new += 1
+                if new:  # a new connection: say who we are at once
+                    self.send(self.link.hello(rank))
         for sock, rank in self._rank.items():
             if sock not in events:
                 continue

@@ -109,8 +109,11 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         probe_sample: Source ports probed per peer per round (0: all).
         probe_check_s: > 0: re-probe a few ports this often and refresh the maps on a change, s.
         takeover_s: Arbiters: a follower that hears no leader this long leads, s.
-        arbiter_rate_per_host: Requests per second a host may send an arbiter.
-        arbiter_burst_per_host: Requests a host may send an arbiter back to back.
+        arbiter_rate_per_host: Tokens per second a host gets at an arbiter: an ask takes one
+            per part, a renewal or release one per flow, a ping one.
+        arbiter_burst_per_host: Tokens a host may spend at an arbiter back to back.
+        arbiter_max_epoch_jump: An arbiter epoch more than this above the highest one heard
+            is refused (by arbiters and agents) and counted.
         control: ``broadcast``: every agent keeps a replica of the table; ``arbiter``: agents
             ask the ``[[arbiters]]`` for every lease.
         arbiter_timeout_s: Arbiter mode: a request unanswered this long goes to the next
@@ -154,8 +157,9 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # Arbiters ([[arbiters]], ark arbiter): a follower that hears no leader this long leads
     # (arbiters beat every takeover_s / 5).
     takeover_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
-    arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # requests/s a host may send
+    arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # tokens/s a host gets (a part, a flow, a ping: one)
     arbiter_burst_per_host: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
+    arbiter_max_epoch_jump: Annotated[int, msgspec.Meta(ge=1, le=(1 << 30) - 1)] = 1 << 16
     # "broadcast": every agent keeps a replica of the table (scope above says of which part).
     # "arbiter": agents keep none; they ask the [[arbiters]] (ark arbiter) for every lease.
     control: Literal["broadcast", "arbiter"] = "broadcast"

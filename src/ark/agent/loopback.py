@@ -67,6 +67,7 @@ def write_cluster(
     control: Literal["broadcast", "arbiter"] = "broadcast",
     arbiter_rate_per_host: float = 2000.0,
     arbiter_timeout_s: float = 0.1,
+    arbiter_burst_per_host: int = 256,
 ) -> tuple[Path, list[str]]:
     """Keys and a cluster file for ``n`` agents on a 2-leaf fabric with ``spines`` spines.
 
@@ -77,8 +78,8 @@ def write_cluster(
     ``[[arbiters]]`` (``arb0``, ...; keys beside the hosts'). ``gpus_per_leaf``: a larger
     fabric than the hosts need (the others have no entry). ``control = "arbiter"``: the
     agents ask the arbiters (give ``arbiters`` >= 1), each host at most
-    ``arbiter_rate_per_host`` requests a second, and fall back to ECMP when no answer comes
-    within ``arbiter_timeout_s``.
+    ``arbiter_rate_per_host`` tokens a second (burst ``arbiter_burst_per_host``), and fall
+    back to ECMP when no answer comes within ``arbiter_timeout_s``.
     """
     total = n + extra_hosts
     per_leaf = max(1, math.ceil(total / 2), gpus_per_leaf or 0)
@@ -97,7 +98,7 @@ def write_cluster(
                                max_flows_per_host=max_flows_per_host, retention_s=retention_s,
                                scope="full" if sends_to is None else "declared", takeover_s=takeover_s,
                                control=control, arbiter_rate_per_host=arbiter_rate_per_host,
-                               arbiter_timeout_s=arbiter_timeout_s)
+                               arbiter_timeout_s=arbiter_timeout_s, arbiter_burst_per_host=arbiter_burst_per_host)
     arbs = []
     for r in range(arbiters):
         kp = create_keypair(workdir / "keys", f"arb{r}")

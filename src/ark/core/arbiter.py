@@ -43,9 +43,16 @@ on its old path only. What an old leader granted and nobody registered ends with
 lease.
 
 Bounds (what one listed host can make the arbiter keep or do): live flows per host
-(beyond: plain ECMP with the reason), a token bucket of requests per host (beyond: ECMP),
-16 parts per lease, 64 flows per message, the last 64 answers per host kept for retries
-(a repeated request id gets the same answer and changes nothing).
+(beyond: plain ECMP with the reason), a token bucket per host that every message kind
+draws on by the work it asks for (an ask one token per part, a renewal or release one per
+flow, a ping one, a registration one per lease judged anew; beyond: plain ECMP, leases left
+as they stand, pings unanswered), so that what one host makes the followers apply is
+bounded too; 16 parts per lease, 64 flows per message, the last 64 answers per host kept
+for retries (a repeated request id gets the same answer and changes nothing).
+
+Epochs from the other arbiters are believed only up to ``max_epoch_jump`` above the
+highest seen (beyond: counted and dropped), and an arbiter that has no epoch left to lead
+with (2**30) follows, counted, instead of failing: no message can end it.
 """
 
 from __future__ import annotations
@@ -93,8 +100,9 @@ class ArbiterLimits:
     """What one listed host can make the arbiter keep or do."""
 
     max_flows_per_host: int = 4096  # live reservations; beyond: plain ECMP
-    rate_per_host: float = 2000.0  # requests per second (token bucket); beyond: plain ECMP
+    rate_per_host: float = 2000.0  # tokens per second: one per part, flow or ping; beyond: plain ECMP
     burst_per_host: int = 256
+    max_epoch_jump: int = 1 << 16  # an arbiter's epoch more than this above the highest seen: refused
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_flows_per_host <= 1 << 20:
@@ -103,6 +111,8 @@ class ArbiterLimits:
             raise CoreError(f"rate_per_host: must be a finite number > 0; got {self.rate_per_host}")
         if not 1 <= self.burst_per_host <= 1 << 20:
             raise CoreError(f"burst_per_host: must be 1..{1 << 20}; got {self.burst_per_host}")
+        if not 1 <= self.max_epoch_jump < 1 << 30:
+            raise CoreError(f"max_epoch_jump: must be 1..{(1 << 30) - 1}; got {self.max_epoch_jump}")
 
 
 @dataclass
@@ -111,7 +121,7 @@ class ArbiterCounters:
     granted: int = 0  # parts reserved
     ecmp: int = 0  # parts answered with plain ECMP (no free path, caps, rate)
     capped: int = 0
-    rate_limited: int = 0
+    rate_limited: int = 0  # messages (asks, renewals, releases, pings, registrations) beyond the host's tokens
     renewed: int = 0
     released: int = 0
     registered: int = 0
@@ -126,6 +136,8 @@ class ArbiterCounters:
     stepped_down: int = 0
     syncs: int = 0
     changes_applied: int = 0
+    epoch_jumps: int = 0  # an arbiter's message more than max_epoch_jump above the highest epoch seen
+    epoch_exhausted: int = 0  # times it could not lead: no epoch left below 2**30
 
 
 @dataclass
@@ -189,7 +201,8 @@ class Arbiter:
     def _new_table(self) -> ReservationTable:
         lim = CoreLimits(max_flows_per_host=self.limits.max_flows_per_host)
         return ReservationTable(self.routes, policy=self.policy, retention_s=self._retention,
-                                expiry_grace_s=self._grace, counters=self.table_counters, limits=lim)
+                                expiry_grace_s=self._grace, counters=self.table_counters, limits=lim,
+                                backlog_index=True)
 
     @property
     def leading(self) -> bool:
@@ -229,7 +242,9 @@ class Arbiter:
     def _become(self, role: str, now: float, epoch: int | None = None) -> None:
         """Every change of role: leading takes a generation above every epoch seen."""
         if role == _LEADING and not self.leading:
-            self._lead_anew()
+            if not self._lead_anew():
+                self._leader_heard = now  # try again after takeover_s (and never busy-wait)
+                return
             self._recount(now)
             self.counters.takeovers += self.arbiters > 1
             self._next_beat = now  # tell the others at once
@@ -240,15 +255,18 @@ class Arbiter:
             self.seen_epoch = max(self.seen_epoch, epoch)
         self.role = role
 
-    def _lead_anew(self) -> None:
+    def _lead_anew(self) -> bool:
         """A new epoch, a generation above every epoch seen: at a takeover, and when an
-        epoch's 2**32 flow ids are used up (followers see the new epoch and fetch the table)."""
+        epoch's 2**32 flow ids are used up (followers see the new epoch and fetch the table).
+        False, counted, when none is left below 2**30: the arbiter does not lead."""
         generation = self.seen_epoch // self.arbiters + 1
         epoch = generation * self.arbiters + self.rank
         if epoch >= 1 << 30:
-            raise CoreError("epoch: exhausted (2**30 epochs); start the arbiters with generation 0")
+            self.counters.epoch_exhausted += 1
+            return False
         self.epoch = self.seen_epoch = epoch
         self._n, self._sent, self._changes = 0, 0, []
+        return True
 
     # ------------------------------------------------------------------ hosts
     def on_host(self, host: int, data: bytes, now: float) -> list[ArbiterOut]:
@@ -267,6 +285,9 @@ class Arbiter:
             return [self._reply(host, w.Refused(msg.rid, self.seen_epoch, leader, "not leading"))]
         st = self._host(host, now)
         kept = st.answers.get(msg.rid)
+        if (kept is not None or isinstance(msg, w.Ping)) and not self._within_rate(st, now):
+            self.counters.rate_limited += 1  # a retry or a ping beyond the host's tokens: unanswered
+            return []
         if kept is not None:
             self.counters.retries += 1
             return [ArbiterOut(host, -1, kept)]
@@ -294,9 +315,14 @@ class Arbiter:
     def _answer(self, host: int, st: _Host, msg: w.FromHost, now: float) -> w.ToHost:
         if isinstance(msg, w.Ask):
             return w.Grant(msg.rid, self.epoch, self._ask(host, st, msg, now))
-        if isinstance(msg, w.Extend):
-            return w.Extended(msg.rid, self.epoch, [self._extend(host, f, now) for f in msg.flows])
+        if isinstance(msg, w.Extend):  # beyond the host's tokens: each lease as it stands, not renewed
+            renew = self._within_rate(st, now, len(msg.flows))
+            self.counters.rate_limited += not renew
+            return w.Extended(msg.rid, self.epoch, [self._extend(host, f, now, renew) for f in msg.flows])
         if isinstance(msg, w.Drop):
+            # Taken from the host's tokens like any message; released whatever is left of
+            # them: a release only frees, and each of the host's reservations was paid for.
+            self.counters.rate_limited += not self._within_rate(st, now, len(msg.flows))
             for f in msg.flows:
                 self._drop(host, f, now)
             return w.Dropped(msg.rid, self.epoch)
@@ -315,13 +341,15 @@ class Arbiter:
             st = self._hosts[host] = _Host(float(self.limits.burst_per_host), now)
         return st
 
-    def _within_rate(self, st: _Host, now: float) -> bool:
+    def _within_rate(self, st: _Host, now: float, cost: int = 1) -> bool:
+        """Take ``cost`` tokens (a message's parts or flows) if the host has them (at most
+        a burst's worth is asked for; the rest is owed, paid back by the refill)."""
         lim = self.limits
         st.tokens = min(float(lim.burst_per_host), st.tokens + max(0.0, now - st.at) * lim.rate_per_host)
         st.at = max(st.at, now)
-        if st.tokens < 1:
+        if st.tokens < min(cost, lim.burst_per_host):
             return False
-        st.tokens -= 1
+        st.tokens -= cost
         return True
 
     def _ask(self, host: int, st: _Host, msg: w.Ask, now: float) -> list[w.Part]:
@@ -330,7 +358,7 @@ class Arbiter:
         if msg.dst >= n_hosts or msg.dst == host:
             self.counters.invalid += 1
             return []
-        why = "" if self._within_rate(st, now) else RATE_LIMITED
+        why = "" if self._within_rate(st, now, msg.parts) else RATE_LIMITED
         if why:
             self.counters.rate_limited += 1
         q, r = divmod(msg.nbytes, msg.parts)
@@ -354,8 +382,9 @@ class Arbiter:
         return None
 
     def _flow(self, host: int) -> FlowId:
-        if self._n >= (1 << SEQ_SHIFT) - 1:  # this epoch's ids are used up: lead on in a new one
-            self._lead_anew()
+        if self._n >= (1 << SEQ_SHIFT) - 1 and not self._lead_anew():  # ids used up: lead on in a new epoch
+            self._become(_FOLLOWING, self._last_ts)  # none left: stop leading (counted), never reuse an id
+            raise CoreError("epoch: exhausted (2**30 epochs); the arbiter follows")
         self._n += 1
         return (host, self.epoch << SEQ_SHIFT | self._n)
 
@@ -427,7 +456,8 @@ class Arbiter:
             return False
         return True
 
-    def _extend(self, host: int, flow: tuple[int, int], now: float) -> float:
+    def _extend(self, host: int, flow: tuple[int, int], now: float, renew: bool = True) -> float:
+        """The lease left of ``flow`` after renewing it (``renew`` False: as it stands)."""
         if not self._owned(host, flow):
             return -1.0
         e = self.table.get(flow)
@@ -436,6 +466,8 @@ class Arbiter:
             return -1.0
         if self._lease is None:
             return 86400.0
+        if not renew:
+            return min(e.expires - now, 86400.0)
         ts = self._stamp(now)
         expires = ts + self._lease(e.msg.nbytes, e.msg.rate_bps)
         if expires > e.expires:
@@ -493,6 +525,9 @@ class Arbiter:
             return []
         if msg.epoch % self.arbiters != rank:  # an epoch is its leader's: rank r leads only epochs = r mod n
             self.counters.invalid += 1
+            return []
+        if msg.epoch > max(self.seen_epoch, self.epoch) + self.limits.max_epoch_jump:
+            self.counters.epoch_jumps += 1  # no leader gets there in steps of a generation: a forged epoch
             return []
         if isinstance(msg, w.SyncAsk):
             return self._sync_reply(rank) if self.leading else []

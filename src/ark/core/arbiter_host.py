@@ -18,6 +18,11 @@ Rules:
   is dropped (its request goes on to the next arbiter), unless nothing of that highest
   epoch has been heard for ``forget_epoch_s`` (both arbiters restarted and begin again
   below it: by then every lease the old epoch granted has ended);
+* an answer of an epoch more than ``max_epoch_jump`` above the highest seen is dropped and
+  counted (no leader gets there in steps of a generation; it would make this host refuse
+  the real leader), and so is an answer that does not fit its request (a grant of more
+  parts than were asked, or of flows not registered; another kind of answer): the request
+  goes on to the next arbiter;
 * an answer of a new leader (an epoch above the highest seen) makes the host hand in the
   leases it holds from earlier epochs (``Register``, from the ``held`` callback), so that
   the new leader knows them; its answer says which the host still holds. It also tells the
@@ -76,6 +81,8 @@ class LinkCounters:
     stale_epoch: int = 0  # answers of an epoch below the highest seen: dropped
     epoch_forgotten: int = 0  # the highest epoch given up after forget_epoch_s of silence
     invalid: int = 0
+    epoch_jumps: int = 0  # answers more than max_epoch_jump above the highest epoch seen: dropped
+    misfits: int = 0  # answers that do not fit their request (more parts than asked, ...): dropped
     unknown_rid: int = 0  # answers to no request in flight (late, duplicated)
     registered: int = 0  # leases handed in to a new leader
     leaders: int = 0  # changes of the arbiter answering
@@ -97,7 +104,8 @@ class ArbiterLink:
     never reuses an id the arbiter kept an answer for (it would get that answer again)."""
 
     def __init__(self, arbiters: int, *, timeout_s: float = 0.1, probe_s: float = 0.2, forget_epoch_s: float = 30.0,
-                 held: Callable[[float], list[w.Held]] | None = None, incarnation: int = 0) -> None:
+                 held: Callable[[float], list[w.Held]] | None = None, incarnation: int = 0,
+                 max_epoch_jump: int = 1 << 16) -> None:
         if not 1 <= arbiters <= 16:
             raise CoreError(f"arbiters: must be 1..16; got {arbiters}")
         for name, v in (("timeout_s", timeout_s), ("probe_s", probe_s), ("forget_epoch_s", forget_epoch_s)):
@@ -105,6 +113,9 @@ class ArbiterLink:
                 raise CoreError(f"{name}: must be a finite number > 0; got {v}")
         if not 0 <= incarnation < 1 << 30:
             raise CoreError(f"incarnation: must be 0..{(1 << 30) - 1}; got {incarnation}")
+        if not 1 <= max_epoch_jump < 1 << 30:
+            raise CoreError(f"max_epoch_jump: must be 1..{(1 << 30) - 1}; got {max_epoch_jump}")
+        self.max_epoch_jump = max_epoch_jump
         self.arbiters = arbiters
         self.timeout_s, self.probe_s, self.forget_epoch_s = timeout_s, probe_s, forget_epoch_s
         self._held = held or (lambda now: [])
@@ -151,6 +162,15 @@ class ArbiterLink:
         step = w.MAX_FLOWS_PER_MESSAGE
         return [o for i in range(0, len(flows), step) for o in self._request(tag, make(flows[i:i + step]), now)]
 
+    def hello(self, rank: int) -> list[LinkOut]:
+        """A ping for arbiter ``rank`` on a new connection, whose answer finishes nothing
+        (an arbiter counts a connection as this host's once it has spoken)."""
+        rid = self._next_rid()
+        if len(self._pings) >= 1024:  # unanswered ones (bounded: an arbiter may never answer)
+            self._pings.clear()
+        self._pings.add(rid)
+        return [LinkOut(rank, w.encode(w.Ping(rid, self.epoch)))]
+
     def _next_rid(self) -> int:
         self._rid += 1
         return self._rid
@@ -193,11 +213,18 @@ class ArbiterLink:
         except w.ArbiterWireError:
             self.counters.invalid += 1
             return []
+        if self.epoch and msg.epoch > self.epoch + self.max_epoch_jump:
+            self.counters.epoch_jumps += 1
+            return []
         if not self._current(msg.epoch, now):
             self.counters.stale_epoch += 1
             return []
         if isinstance(msg, w.Refused):
             return self._on_refused(rank, msg, now)
+        p = self._pending.get(msg.rid)
+        if p is not None and p.rank == rank and not _fits(p.msg, msg):
+            self.counters.misfits += 1
+            return self._next(p, now)
         out = self._leads(rank, msg.epoch, now)
         if msg.rid in self._pings:
             self._pings.discard(msg.rid)
@@ -318,6 +345,20 @@ class ArbiterLink:
         return {"leader": self.leader, "epoch": self.epoch, "up": self.up, "pending": len(self._pending),
                 "down_s": round(self.down_s + (now - self.down_since if self.down_since is not None else 0.0), 3),
                 "counters": dict(vars(self.counters))}
+
+
+def _fits(asked: w.FromHost, answer: w.ToHost) -> bool:
+    """Is ``answer`` one an arbiter gives to ``asked``: its kind, no more parts than were
+    asked for, only flows that were registered, a lease per renewed flow?"""
+    if isinstance(asked, w.Ask):
+        return isinstance(answer, w.Grant) and len(answer.parts) <= asked.parts
+    if isinstance(asked, w.Register):
+        named = {h.flow for h in asked.held}
+        return isinstance(answer, w.Grant) and len(answer.parts) <= len(named) and all(
+            p.flow in named for p in answer.parts)
+    if isinstance(asked, w.Extend):
+        return isinstance(answer, w.Extended) and len(answer.lease_s) == len(asked.flows)
+    return isinstance(answer, w.Dropped if isinstance(asked, w.Drop) else w.Pong)
 
 
 # ---------------------------------------------------------------------- answers on a node

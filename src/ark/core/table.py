@@ -215,6 +215,7 @@ class ReservationTable:
         counters: Counters | None = None,
         limits: CoreLimits | None = None,
         bookkeeping_grid: bool = False,
+        backlog_index: bool = False,
     ) -> None:
         if policy not in POLICIES:
             raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -238,6 +239,13 @@ class ReservationTable:
         self._early_renew: dict[FlowId, Renew] = {}
         self._early_heap: list[tuple[float, FlowId]] = []  # (ts, flow) of kept early messages
         self._holders: dict[int, set[FlowId]] = {}
+        # Per link: its holders' backlog fold (last key, bytes left, its ts, its rate), kept
+        # as holders arrive in key order; dropped when one leaves or comes out of order. With
+        # backlog_index (an arbiter's), a link that lost one (_churned) keeps a tree of the
+        # fold's steps instead (_LinkBacklog: O(log n) a holder; equal up to rounding).
+        self._backlog: dict[int, tuple[Key, float, float, float]] = {}
+        self._trees: dict[int, _LinkBacklog] | None = {} if backlog_index else None
+        self._churned: set[int] = set()
         self._stages = _StageIndex()
         self._stage_cache: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         # Per host pair, per path: the links the path holds (what links() answers).
@@ -571,6 +579,9 @@ class ReservationTable:
         self._evaluate(self._keys, _Sweep())
         # Rebuild the holders index and masks from scratch.
         self._holders = {}
+        self._backlog = {}
+        if self._trees is not None:
+            self._trees, self._churned = {}, set()
         masks = self._stages.masks
         for i in range(len(masks)):
             masks[i] = 0
@@ -895,9 +906,16 @@ class ReservationTable:
         return by_path[path]
 
     def _hold(self, flow: FlowId, links: Sequence[int], entry: Entry | None = None) -> None:
-        (entry or self._entries[flow]).held = True
-        holders = self._holders
+        entry = entry or self._entries[flow]
+        entry.held = True
+        holders, fold, trees = self._holders, self._backlog, self._trees
         for lk in links:
+            if fold:
+                _fold_in(fold, lk, entry.msg)
+            if trees:
+                tree = trees.get(lk)
+                if tree is not None and not tree.append(entry.msg):
+                    del trees[lk]
             s = holders.get(lk)
             if not s:
                 if s is None:
@@ -909,7 +927,14 @@ class ReservationTable:
 
     def _unhold(self, flow: FlowId, links: Sequence[int]) -> None:
         self._entries[flow].held = False
+        trees = self._trees
         for lk in links:
+            if self._backlog.pop(lk, None) is not None and trees is not None:
+                self._churned.add(lk)
+            if trees:
+                tree = trees.get(lk)
+                if tree is not None:
+                    tree.remove(flow)
             s = self._holders[lk]
             s.discard(flow)
             if not s:
@@ -1010,7 +1035,115 @@ class ReservationTable:
         holders = self._holders.get(link)
         if not holders:
             return 0.0
-        return backlog([self._entries[f].msg for f in holders], now)
+        fold = self._backlog.get(link)
+        trees = self._trees
+        if fold is None and trees is not None:
+            tree = trees.get(link)
+            if tree is None and link in self._churned:
+                self._churned.discard(link)
+                tree = trees[link] = _LinkBacklog(sorted((self._entries[f].msg for f in holders), key=lambda m: m.key))
+            if tree is not None:
+                return tree.backlog(now)
+        if fold is None:
+            ordered = sorted((self._entries[f].msg for f in holders), key=lambda m: m.key)
+            left, t_prev = 0.0, ordered[0].ts
+            for m in ordered:
+                left = max(0.0, left - m.rate_bps / 8.0 * (m.ts - t_prev)) + m.nbytes
+                t_prev = m.ts
+            fold = self._backlog[link] = (ordered[-1].key, left, t_prev, ordered[-1].rate_bps)
+        _, left, t_prev, rate = fold
+        return max(0.0, left - rate / 8.0 * (now - t_prev))
+
+
+# A run of a link's holders, as the fold's step composed over them: bytes left after its
+# last one = max(a, left before its first + c + r_in * (time of the one before its first)),
+# with times from the tree's origin; None: no holder in it.
+_Run = tuple[float, float, float, float, float, float]  # a, c, r_in, t_in, t_out, r_out
+
+
+def _join(x: _Run | None, y: _Run | None) -> _Run | None:
+    if x is None:
+        return y
+    if y is None:
+        return x
+    a1, c1, r1, t1, tx, _ = x
+    a2, c2, r2, _, t2, rout = y
+    k = c2 + r2 * tx
+    return (max(a2, a1 + k), c1 + k, r1, t1, t2, rout)
+
+
+class _LinkBacklog:
+    """One link's holders in key order as a segment tree of the backlog fold's steps
+    (:func:`backlog`): the step of a holder ``m`` after one at time ``tp`` is
+    ``left -> max(n, left + n - r (t - tp))`` (``n`` its bytes, ``r`` its rate in bytes a
+    second, ``t`` its time), and such steps compose into the same form (:func:`_join`), so
+    a holder arriving last or leaving anywhere costs O(log n) and the backlog O(1)."""
+
+    def __init__(self, msgs: Sequence[Reserve]) -> None:
+        self.t0 = msgs[0].ts if msgs else 0.0
+        self.cap = 1 << max(4, len(msgs) * 2).bit_length()
+        self.node: list[_Run | None] = [None] * (2 * self.cap)
+        self.pos: dict[FlowId, int] = {}
+        self.last: Key | None = None
+        self.n = 0
+        for m in msgs:
+            self._put(m)
+        for i in range(self.cap - 1, 0, -1):
+            self.node[i] = _join(self.node[2 * i], self.node[2 * i + 1])
+
+    def _put(self, m: Reserve) -> int:
+        t, r = m.ts - self.t0, m.rate_bps / 8.0
+        i = self.cap + self.n
+        self.node[i] = (float(m.nbytes), m.nbytes - r * t, r, t, t, r)
+        self.pos[m.flow] = i
+        self.n += 1
+        self.last = m.key
+        return i
+
+    def _up(self, i: int) -> None:
+        node = self.node
+        i >>= 1
+        while i:
+            node[i] = _join(node[2 * i], node[2 * i + 1])
+            i >>= 1
+
+    def append(self, m: Reserve) -> bool:
+        """A new holder; False (the tree no longer holds the link's fold) unless it comes
+        after every holder."""
+        if (self.last is not None and m.key <= self.last) or m.flow in self.pos:
+            return False
+        if self.n == self.cap:  # full: dropped, built again at the next ask, twice the live ones
+            return False
+        self._up(self._put(m))
+        return True
+
+    def remove(self, flow: FlowId) -> None:
+        i = self.pos.pop(flow, None)
+        if i is not None:
+            self.node[i] = None
+            self._up(i)
+
+    def backlog(self, now: float) -> float:
+        root = self.node[1]
+        if root is None:
+            return 0.0
+        a, c, r_in, t_in, t_out, r_out = root
+        left = max(a, c + r_in * t_in)
+        return max(0.0, left - r_out * (now - self.t0 - t_out))
+
+
+def _fold_in(fold: dict[int, tuple[Key, float, float, float]], link: int, m: Reserve) -> None:
+    """One more holder of ``link`` in its backlog fold (:meth:`ReservationTable.link_backlog`):
+    the same step as :func:`backlog`'s when it comes after every holder folded; else the
+    fold is dropped."""
+    f = fold.get(link)
+    if f is None:
+        return
+    key, left, t_prev, _ = f
+    if m.key > key:
+        fold[link] = (m.key, max(0.0, left - m.rate_bps / 8.0 * (m.ts - t_prev)) + m.nbytes, m.ts, m.rate_bps)
+    else:
+        del fold[link]
 
 
 def backlog(msgs: Sequence[Reserve], now: float) -> float:
