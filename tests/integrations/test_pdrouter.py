@@ -7,8 +7,18 @@ what they were sent; a real vLLM P/D pair behind the router is exercised in test
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import http.client
 import json
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,13 +83,11 @@ async def _with_router(instances: dict[str, list[StandIn]], test: Callable[[str,
                        for i, s in enumerate(instances["prefill"])],
            "decode": [{"url": s.url} for s in instances["decode"]], **cfg}
     router = Router(load_config(raw))
-    runner = web.AppRunner(router.app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = await router.start("127.0.0.1", 0)
     try:
-        await test(f"http://127.0.0.1:{runner.addresses[0][1]}", router)
+        await test(f"http://{host}:{port}", router)
     finally:
-        await runner.cleanup()
+        await router.stop()
         for group in instances.values():
             for s in group:
                 await s.stop()
@@ -130,8 +138,8 @@ def test_hostile_bodies_are_refused_in_one_line_and_never_reach_an_instance() ->
                     assert r.status == 400 and (await r.json())["error"]["message"].startswith(why)
             # Beyond max_body_bytes the server refuses the body before reading it all.
             async with s.post(url + "/v1/completions", data=b'{"prompt": "' + b"x" * 5000 + b'"}') as r:
-                assert r.status == 413
-        assert router.counters.refused == 3 and router.counters.requests == 0
+                assert r.status == 413 and (await r.json())["error"]["message"].startswith("body: larger than 4096")
+        assert router.counters.refused == 4 and router.counters.requests == 0
 
     asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_body_bytes=4096))
     assert pre[0].bodies == [] and dec[0].bodies == []
@@ -179,3 +187,229 @@ def test_concurrent_mode_overlaps_the_two_requests_and_beyond_the_limit_is_503()
 def test_config_errors_name_the_field(raw: dict[str, Any], why: str) -> None:
     with pytest.raises(RouterError, match=why):
         load_config(raw)
+
+
+async def _raw(url: str, data: bytes, timeout_s: float = 5.0) -> bytes:
+    """Send ``data`` on a fresh connection; everything the router answers until it closes."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    try:
+        return await asyncio.wait_for(reader.read(), timeout_s)
+    finally:
+        writer.close()
+
+
+def _one_json_line(answer: bytes) -> dict[str, Any]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"application/json" in head, head
+    assert body.count(b"\n") == 0 and body, body
+    out: dict[str, Any] = json.loads(body)
+    return out
+
+
+def test_non_finite_numbers_deep_nesting_and_bad_http_are_one_line_json_errors() -> None:
+    pre, dec = [StandIn("p0")], [StandIn("d0")]
+
+    async def test(url: str, router: Router) -> None:
+        async with aiohttp.ClientSession() as s:
+            cases = [(b'{"prompt": "x", "temperature": NaN}', "temperature: not a finite number"),
+                     (b'{"prompt": "x", "extra": {"w": [1, 2, -Infinity]}}', "extra.w[2]: not a finite number"),
+                     (b'{"prompt": "x", "top_p": 1e999}', "top_p: not a finite number"),
+                     (b"[" * 100_000 + b"]" * 100_000, "body: nested too deeply"),
+                     (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "body: nested too deeply")]
+            for raw, why in cases:
+                async with s.post(url + "/v1/completions", data=raw) as r:
+                    text = await r.read()
+                    assert r.status == 400 and text.count(b"\n") == 0, text[:200]
+                    assert json.loads(text)["error"]["message"].startswith(why), text[:200]
+            # A prompt that merely mentions NaN is a request like any other.
+            async with s.post(url + "/v1/completions", json={"prompt": "NaN Infinity", "max_tokens": 1}) as r:
+                assert r.status == 200
+            for method, path, status in (("GET", "/nowhere", 404), ("GET", "/v1/completions", 405)):
+                async with s.request(method, url + path) as r:
+                    assert r.status == status and (await r.read()).count(b"\n") == 0
+                    assert "error" in await r.json()
+        # The HTTP parser's refusals are JSON too, and no traceback is logged for them.
+        for garbage in (b"NOT HTTP AT ALL\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n"):
+            answer = await _raw(url, garbage)
+            assert answer.split(b" ", 2)[1] == b"400", answer
+            assert _one_json_line(answer)["error"]["code"] == 400
+        assert router.counters.bad_http == 2 and router.counters.requests == 1
+
+    asyncio.run(_with_router({"prefill": pre, "decode": dec}, test))
+    assert len(pre[0].bodies) == 1 and pre[0].bodies[0]["prompt"] == "NaN Infinity"
+
+
+def test_a_slow_body_holds_no_slot_and_is_cut_off_at_the_body_timeout() -> None:
+    pre, dec = [StandIn("p0")], [StandIn("d0")]
+
+    async def test(url: str, router: Router) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        t0 = asyncio.get_running_loop().time()
+        async with aiohttp.ClientSession() as s:  # the one slot is free while the body trickles
+            for _ in range(3):
+                writer.write(b" ")
+                async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.1)
+        answer = await asyncio.wait_for(reader.read(), 5.0)
+        waited = asyncio.get_running_loop().time() - t0
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408") and 0.9 <= waited < 3.0, (answer, waited)
+        assert "not received within 1.0 s" in _one_json_line(answer)["error"]["message"]
+        assert router.counters.body_timeouts == 1 and router.counters.requests == 3
+
+    asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_in_flight=1, body_timeout_s=1.0))
+
+
+def test_idle_connections_close_at_the_header_timeout_and_the_cap_refuses_cheaply() -> None:
+    pre, dec = [StandIn("p0")], [StandIn("d0")]
+
+    async def test(url: str, router: Router) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(16)]
+        await asyncio.sleep(0.1)
+        assert router.counters.connections == 16
+        answer = await _raw(url, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # the 17th: refused
+        assert answer.startswith(b"HTTP/1.1 503") and "too many connections" in answer.decode()
+        assert router.counters.connections_refused == 1
+        # Half a header is no better than none: all are closed at the header timeout.
+        idle[0][1].write(b"POST /v1/completions HTTP/1.1\r\nHost:")
+        t0 = asyncio.get_running_loop().time()
+        for reader, _w in idle:
+            assert await asyncio.wait_for(reader.read(), 5.0) == b""
+        assert 0.5 <= asyncio.get_running_loop().time() - t0 < 3.0
+        for _r, w in idle:
+            w.close()
+        await asyncio.sleep(0.1)
+        assert router.counters.connections == 0
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 200
+
+    asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_connections=16, header_timeout_s=1.0))
+
+
+class _Backends:
+    """Stand-in prefill and decode instances on an event loop of their own (a thread)."""
+
+    def __init__(self) -> None:
+        self.pre, self.dec = StandIn("p0"), StandIn("d0")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._all("start"), self.loop).result(10)
+
+    async def _all(self, what: str) -> None:
+        for s in (self.pre, self.dec):
+            await getattr(s, what)()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._all("stop"), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _honest(port: int, timeout_s: float = 5.0) -> tuple[int, float]:
+    """One honest request on a fresh connection: (status, seconds to the whole answer)."""
+    t0 = time.perf_counter()
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        c.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 2}),
+                  headers={"Content-Type": "application/json"})
+        r = c.getresponse()
+        r.read()
+        return r.status, time.perf_counter() - t0
+    except OSError:
+        return 0, time.perf_counter() - t0
+    finally:
+        c.close()
+
+
+def _trickle(socks: list[socket.socket], stop: threading.Event) -> None:
+    while not stop.wait(0.2):
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.send(b" ")
+
+
+def _siege(tmp_path: Path, slow: int, idle: int, hold_s: float, nofile: int | None = None,
+           **cfg: Any) -> tuple[list[tuple[int, float]], int, str]:
+    """An ``ark serve-pd`` process under ``slow`` slow-body and ``idle`` idle connections:
+    honest requests made while they are held (status, seconds), and the router's log."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
+    back, port = _Backends(), _free_port()
+    conf = tmp_path / "pd.toml"
+    conf.write_text("".join(f"{k} = {v}\n" for k, v in cfg.items()) +
+                    f'[[prefill]]\nurl = "{back.pre.url}"\nengine_id = "p0"\nbootstrap = "http://127.0.0.1:8998"\n'
+                    f'[[decode]]\nurl = "{back.dec.url}"\n')
+    limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
+    log = tmp_path / "router.log"
+    with log.open("wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ark", "serve-pd", "--config", str(conf), "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=err, preexec_fn=limit)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 30
+        while _honest(port, 1.0)[0] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        header = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{"
+        for k in range(slow + idle):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            if k < slow:
+                s.sendall(header)
+            held.append(s)
+        threading.Thread(target=_trickle, args=(held[:slow], stop), daemon=True).start()
+        answers = []
+        t_end = time.monotonic() + hold_s
+        while time.monotonic() < t_end:
+            answers.append(_honest(port))
+            time.sleep(0.05)
+        return answers, proc.pid, log.read_text()
+    finally:
+        stop.set()
+        for s in held:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(10)
+        back.close()
+
+
+def _check_siege(answers: list[tuple[int, float]], text: str, what: str) -> float:
+    worst = max(t for _s, t in answers)
+    print(f"{what}: {len(answers)} honest requests, statuses {sorted({s for s, _ in answers})}, "
+          f"worst {worst * 1000:.0f} ms, log {len(text)} bytes")
+    assert answers and all(s == 200 for s, _ in answers), answers
+    assert worst < 1.0, worst
+    assert "Traceback" not in text and len(text) < 4096, text[:2000]
+    return worst
+
+
+def test_honest_requests_are_answered_within_1_s_under_256_slow_bodies_and_1000_idle_connections(
+        tmp_path: Path) -> None:
+    answers, _pid, text = _siege(tmp_path, slow=256, idle=1000, hold_s=5.0)
+    _check_siege(answers, text, "256 slow + 1000 idle")
+
+
+def test_under_a_small_descriptor_limit_the_cap_refuses_and_the_log_stays_bounded(tmp_path: Path) -> None:
+    # 256 descriptors, 16 in flight (32 upstream): the cap is what is left, and 600 idle
+    # connections are more. Beyond the cap each is a canned 503; accept() never fails; the
+    # header timeout frees the cap, and honest requests are served again.
+    answers, _pid, text = _siege(tmp_path, slow=0, idle=600, hold_s=3.0, nofile=256, max_in_flight=16,
+                                 header_timeout_s=1.0, log_every_s=10.0)
+    assert {s for s, _ in answers} <= {200, 503, 0} and all(t < 1.0 for s, t in answers if s), answers
+    assert answers[-1][0] == 200, answers[-5:]
+    assert "Traceback" not in text and "accept failed" not in text and len(text) < 4096, text[:2000]
+    assert "connection refused" in text

@@ -9,9 +9,11 @@ the wire is scripts/roce-wire-check.py's business (Soft-RoCE), not theirs.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -79,29 +81,76 @@ def test_what_passes_through_untouched(built, why, args) -> None:
     assert labels(got) == ([1] if why.startswith("a UC") else [0] * len(got)), why
 
 
-def test_a_bad_rules_variable_says_why_in_one_line_and_steers_nothing(built) -> None:
+def _rules_run(built: tuple[Path, Path], rules: str, qps: int = 1, **env: str) -> tuple[list[int], str]:
+    """The engine program under ``ARK_VERBS_RULES=rules``, QPs towards PEER: (labels, stderr)."""
     lib, folder = built
-    res = subprocess.run([str(folder / verbs_standin.ENGINE_BIN), "linked", PEER, "1"], capture_output=True, text=True,
-                         env={**verbs_standin.env(folder, preload_lib=lib), "ARK_VERBS_RULES": f"{PEER}=1234"},
-                         timeout=60, check=False)
-    assert res.returncode == 0 and labels([json.loads(x) for x in res.stdout.splitlines()]) == [0]
-    assert res.stderr.strip() == f"ark verbs: ARK_VERBS_RULES: {PEER}: ports must be 49152..65535[/LANE 0..255]"
+    res = subprocess.run([str(folder / verbs_standin.ENGINE_BIN), "linked", PEER, str(qps)], capture_output=True,
+                         text=True, env={**verbs_standin.env(folder, preload_lib=lib), "ARK_VERBS_RULES": rules, **env},
+                         timeout=20, check=False)
+    assert res.returncode == 0, res.stderr
+    return labels([json.loads(x) for x in res.stdout.splitlines()]), res.stderr
+
+
+def test_a_bad_rules_variable_says_why_in_one_line_and_steers_nothing(built) -> None:
+    got, err = _rules_run(built, f"{PEER}=1234")
+    assert got == [0]
+    assert err.strip() == (f"ark verbs: ARK_VERBS_RULES: {PEER}: ports must be 49152..65535[/LANE 0..255] "
+                           "(1 of 1 rules malformed); none installed")
 
 
 @pytest.mark.parametrize("rules, why", [
-    (f"{PEER}=49153/", f"{PEER}: ports must be 49152..65535[/LANE 0..255]"),  # a lane named by nothing
-    (f"{PEER}=", f"{PEER}: ports must be 49152..65535[/LANE 0..255]"),  # no port at all
-    (f"{PEER}=" + ",".join(["49153"] * 4097), f"{PEER}: at most 4096 ports per peer"),
-    (";".join(f"10.0.9.{i}=49153" for i in range(64)) + f";{PEER}=49153",
-     f"{PEER}: at most 64 rules; this one is not installed"),
+    (f"{PEER}=49153/", f"{PEER}: ports must be 49152..65535[/LANE 0..255] (1 of 1 rules malformed)"),  # no lane
+    (f"{PEER}=", f"{PEER}: ports must be 49152..65535[/LANE 0..255] (1 of 1 rules malformed)"),  # no port at all
+    (f"{PEER}=" + ",".join(["49153"] * 4097), f"{PEER}: at most 4096 ports per peer (1 of 1 rules malformed)"),
+    (";".join(f"10.0.9.{i}=49153" for i in range(64)) + f";{PEER}=49153", "at most 64 rules; got 65"),
 ])
 def test_rules_the_variable_cannot_hold_are_refused_in_one_line(built, rules, why) -> None:
-    lib, folder = built
-    res = subprocess.run([str(folder / verbs_standin.ENGINE_BIN), "linked", PEER, "1"], capture_output=True, text=True,
-                         env={**verbs_standin.env(folder, preload_lib=lib), "ARK_VERBS_RULES": rules},
-                         timeout=60, check=False)
-    assert res.returncode == 0 and labels([json.loads(x) for x in res.stdout.splitlines()]) == [0]
-    assert res.stderr.strip() == f"ark verbs: ARK_VERBS_RULES: {why}"
+    got, err = _rules_run(built, rules)
+    assert got == [0] and err.strip() == f"ark verbs: ARK_VERBS_RULES: {why}; none installed"
+
+
+def test_a_partly_malformed_rules_variable_installs_nothing(built) -> None:
+    # The valid rule for PEER comes first: it is not installed either (all or nothing).
+    got, err = _rules_run(built, f"{PEER}=49153;10.0.3.1=80;{OTHER}=49153", qps=2)
+    assert got == [0, 0]
+    assert err.strip() == ("ark verbs: ARK_VERBS_RULES: 10.0.3.1: ports must be 49152..65535[/LANE 0..255] "
+                           "(1 of 3 rules malformed); none installed")
+    assert _rules_run(built, f"{PEER}=49153;{OTHER}=49153", qps=2) == ([1, 1], "")  # the same, all valid
+
+
+def test_ten_thousand_bad_rules_are_one_bounded_line(built) -> None:
+    noise = "\n\x1b[31m" + "z" * 500  # what a terminal would act on, and a long name
+    rules = ";".join([f"{noise}=1", *(f"x{i}=1" for i in range(9_999)), f"{PEER}=49153"])
+    got, err = _rules_run(built, rules)
+    assert got == [0] and err.count("\n") == 1 and len(err) < 300, err[:400]
+    assert err.endswith("(10000 of 10001 rules malformed); none installed\n") and "\x1b" not in err
+
+
+def test_the_qp_log_is_never_a_fifo_a_device_or_a_symbolic_link(built, tmp_path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "elsewhere.jsonl")
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO someone reads: open succeeds, fstat refuses
+    cases = [(fifo, "not a regular file", True), (fifo, "not a regular file", False),
+             (Path("/dev/null"), "not a regular file", False), (link, "a symbolic link", False)]
+    for path, why, read in cases:
+        if not read and reader >= 0:
+            os.close(reader)  # now no one reads it: a blocking open() for writing would wait forever
+            reader = -1
+        t0 = time.monotonic()
+        got, err = _rules_run(built, f"{PEER}=49153", ARK_VERBS_LOG=str(path))
+        assert time.monotonic() - t0 < 10 and got == [1], err  # the rule holds; only the log is refused
+        assert err.strip() == f"ark verbs: ARK_VERBS_LOG: {path}: {why}; QPs are not logged to a file"
+    assert not (tmp_path / "elsewhere.jsonl").exists()
+    # From Python the same path is one line too.
+    out = run(built, f"""
+        try:
+            QpRule(PEER, log_path={str(fifo)!r})
+        except verbs.VerbsError as e:
+            print(json.dumps(str(e)))
+    """)
+    assert out == f"log_path: cannot open {fifo} (a regular file, not a link, FIFO or device)"
 
 
 def test_dlvsym_of_libibverbs_is_not_intercepted_but_nccl_ibverbs_lib_is(built) -> None:

@@ -42,6 +42,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define ARK_VERBS_VERSION 1
@@ -251,14 +252,35 @@ int ark_verbs_set_lanes(struct ark_vrule *r, const uint16_t *ports, const uint8_
     return added;
 }
 
-/* Also append every QP this rule logs to path, one JSON line each; 0 or -1 (errno). */
-int ark_verbs_log_to(struct ark_vrule *r, const char *path) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+/* The QP log: appended to, never followed through a symbolic link, never a FIFO, device or
+ * socket that could block or redirect the engine (opened without blocking, then checked
+ * with fstat); -1 with errno (ELOOP: a link; EINVAL: not a regular file; ENXIO: a FIFO no
+ * one reads). */
+static int open_log(const char *path) {
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
     if (fd < 0) return -1;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        errno = EINVAL;
+        return -1;
+    }
+    return fd;
+}
+
+static void set_log_fd(struct ark_vrule *r, int fd) {
     pthread_mutex_lock(&r->mu);
     if (r->log_fd >= 0) close(r->log_fd);
     r->log_fd = fd;
     pthread_mutex_unlock(&r->mu);
+}
+
+/* Also append every QP this rule logs to path (a regular file), one JSON line each; 0 or
+ * -1 (errno). */
+int ark_verbs_log_to(struct ark_vrule *r, const char *path) {
+    int fd = open_log(path);
+    if (fd < 0) return -1;
+    set_log_fd(r, fd);
     return 0;
 }
 
@@ -513,46 +535,109 @@ static int parse_ports(struct ark_vrule *r, char *list) {
     return n ? 0 : -1;
 }
 
-static void env_rule(char *spec, const char *log_path) {
+/* spec, at most max - 1 characters of it, with anything unprintable as '?' (one line). */
+static void printable(char *out, size_t max, const char *spec) {
+    size_t i = 0;
+    for (; spec[i] && i + 1 < max; i++) out[i] = (spec[i] >= 0x20 && spec[i] < 0x7F) ? spec[i] : '?';
+    out[i] = '\0';
+}
+
+/* One "PEER=PORT[/LANE],..." into a new rule (not installed), or NULL with why filled. */
+static struct ark_vrule *env_rule(char *spec, char *why, size_t whylen) {
+    char shown[65];
     char *eq = strchr(spec, '=');
     uint8_t gid[16];
     if (!eq) {
-        fprintf(stderr, "ark verbs: ARK_VERBS_RULES: expected PEER=PORT,...; got %s\n", spec);
-        return;
+        printable(shown, sizeof(shown), spec);
+        snprintf(why, whylen, "expected PEER=PORT,...; got %s", shown);
+        return NULL;
     }
     *eq = '\0';
+    printable(shown, sizeof(shown), spec);
     if (parse_peer(spec, gid) != 0) {
-        fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s is not an IPv4 or IPv6 address\n", spec);
-        return;
+        snprintf(why, whylen, "%s is not an IPv4 or IPv6 address", shown);
+        return NULL;
     }
     struct ark_vrule *r = ark_verbs_new(gid, 1);
-    if (!r) return;
+    if (!r) {
+        snprintf(why, whylen, "%s: out of memory", shown);
+        return NULL;
+    }
     int rc = parse_ports(r, eq + 1);
     if (rc != 0) {
         if (rc == -2)
-            fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s: at most %d ports per peer\n", spec, ARK_MAX_PORTS);
+            snprintf(why, whylen, "%s: at most %d ports per peer", shown, ARK_MAX_PORTS);
         else
-            fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s: ports must be 49152..65535[/LANE 0..255]\n", spec);
+            snprintf(why, whylen, "%s: ports must be 49152..65535[/LANE 0..255]", shown);
         ark_verbs_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* Every rule's QPs also to ARK_VERBS_LOG (one descriptor each); one line if it cannot be. */
+static void env_log(struct ark_vrule **rules, int n, const char *path) {
+    if (!path || !*path || n == 0) return;
+    char shown[129];
+    printable(shown, sizeof(shown), path);
+    int fd = open_log(path);
+    if (fd < 0) {
+        fprintf(stderr, "ark verbs: ARK_VERBS_LOG: %s: %s; QPs are not logged to a file\n", shown,
+                (errno == EINVAL || errno == ENXIO) ? "not a regular file" : errno == ELOOP ? "a symbolic link" : strerror(errno));
         return;
     }
-    if (log_path && *log_path && ark_verbs_log_to(r, log_path) != 0)
-        fprintf(stderr, "ark verbs: ARK_VERBS_LOG: cannot open %s\n", log_path);
-    if (ark_verbs_install(r) != 0) {
-        fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s: at most %d rules; this one is not installed\n", spec,
-                ARK_MAX_INSTALLED);
-        ark_verbs_free(r);
+    for (int i = 0; i < n; i++) {
+        int one = i + 1 < n ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : fd;
+        if (one >= 0) set_log_fd(rules[i], one);
     }
 }
 
+/* All parsed rules installed, or none (then freed): 0 or -1. */
+static int env_install(struct ark_vrule **rules, int n) {
+    for (int i = 0; i < n; i++) {
+        if (ark_verbs_install(rules[i]) != 0) {
+            for (int k = 0; k < i; k++) ark_verbs_uninstall(rules[k]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Process rules from the environment, for engines ARK's Python never runs inside:
- * ARK_VERBS_RULES="PEER=PORT[/LANE],...;PEER=..." (ARK_VERBS_LOG: a JSON-lines file). */
+ * ARK_VERBS_RULES="PEER=PORT[/LANE],...;PEER=..." (ARK_VERBS_LOG: a JSON-lines file). All
+ * or nothing: one malformed rule, or more than ARK_MAX_INSTALLED, and none is installed;
+ * whatever was wrong is one line on stderr (how many, and the first reason). */
 __attribute__((constructor)) static void env_rules(void) {
     const char *spec = getenv("ARK_VERBS_RULES");
     if (!spec || !*spec) return;
     char *copy = strdup(spec), *save = NULL;
     if (!copy) return;
-    for (char *one = strtok_r(copy, ";", &save); one; one = strtok_r(NULL, ";", &save))
-        env_rule(one, getenv("ARK_VERBS_LOG"));
+    static struct ark_vrule *rules[ARK_MAX_INSTALLED];
+    char first[200] = "", why[200];
+    int n = 0, total = 0, bad = 0;
+    for (char *one = strtok_r(copy, ";", &save); one; one = strtok_r(NULL, ";", &save)) {
+        total++;
+        struct ark_vrule *r = env_rule(one, why, sizeof(why));
+        if (!r) {
+            if (!bad++) memcpy(first, why, sizeof(first));
+        } else if (bad || n == ARK_MAX_INSTALLED) {
+            ark_verbs_free(r); /* none is installed anyway */
+        } else {
+            rules[n++] = r;
+        }
+    }
     free(copy);
+    why[0] = '\0';
+    if (bad) {
+        snprintf(why, sizeof(why), " (%d of %d rules malformed)", bad, total);
+    } else if (total > ARK_MAX_INSTALLED) {
+        snprintf(first, sizeof(first), "at most %d rules; got %d", ARK_MAX_INSTALLED, total);
+    } else if (env_install(rules, n) != 0) {
+        snprintf(first, sizeof(first), "at most %d rules installed at once", ARK_MAX_INSTALLED);
+    } else {
+        env_log(rules, n, getenv("ARK_VERBS_LOG"));
+        return;
+    }
+    for (int i = 0; i < n; i++) ark_verbs_free(rules[i]);
+    fprintf(stderr, "ark verbs: ARK_VERBS_RULES: %s%s; none installed\n", first, why);
 }

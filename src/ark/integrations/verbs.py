@@ -288,7 +288,7 @@ class QpRule(NativeRule):
             raise MemoryError("ark_verbs_new")
         self._handle = handle
         if log_path is not None and self._lib.log_to(handle, log_path.encode()) != 0:
-            raise VerbsError(f"log_path: cannot open {log_path}")
+            raise VerbsError(f"log_path: cannot open {log_path} (a regular file, not a link, FIFO or device)")
 
     @classmethod
     def for_lease(cls, peer: str, leases: Sequence[Lease], log_path: str | None = None) -> QpRule:
