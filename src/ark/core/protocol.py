@@ -272,8 +272,11 @@ class ArkCore:
         reports (``Decision.why``). A host at a cap of its own (:meth:`_capped`) gets plain
         ECMP too, never an error: only an invalid request raises.
         """
-        self.check_request(dst, nbytes, dport)
-        self._settle()
+        # The guards inline (this is the hot path): what check_request and _capped check.
+        if not (0 <= dst < self._n_hosts and dst != self.host and nbytes >= 0 and 0 <= dport <= 0xFFFF):
+            self.check_request(dst, nbytes, dport)
+        if self._table.dirty:
+            self._settle()
         self.counters.requests += 1
         self._seq += 1
         flow = (self.host, self._seq)
@@ -282,13 +285,17 @@ class ArkCore:
         if not stages:  # intra-leaf: nothing to choose, nothing to reserve
             return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False, why=SAME_LEAF)
         n = len(stages[0])
-        capped = self._capped() if reserve else ""
+        capped = "" if not reserve or (len(self._unreleased) < self.limits.max_flows_per_host and self._table.owner_count(
+            self.host) < self._owner_retained) else self._capped()
         if capped:
             self.counters.capped += 1
         if capped or not reserve:
             return self._ecmp(flow, dst, dport, buckets, capped or why)
         usable = buckets.usable_mask & ~avoid or buckets.usable_mask if avoid else buckets.usable_mask
-        path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
+        if prefer_port is None:  # the usual request: the stage masks answer
+            path, pinned = self._table.lowest_free(self._sids.get(dst) or self._stage_ids(dst), n, usable), None
+        else:
+            path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
         shared = False
         if path is None:
             self.counters.fallbacks += 1
@@ -711,6 +718,14 @@ class ArkCore:
         """Local flows: flow -> (dst, path, port, reserved)."""
         self._settle()
         return {f: (o.dst, o.path, o.port, o.reserved) for f, o in self._own.items()}
+
+    def local_flow(self, flow: FlowId) -> tuple[int, int, int, bool]:
+        """One local flow's (dst, path, port, reserved), as :meth:`local_flows` has it."""
+        self._settle()
+        o = self._own.get(flow)
+        if o is None:
+            raise CoreError(f"flow: {flow} is not an active local flow")
+        return o.dst, o.path, o.port, o.reserved
 
     def _bucket(self, dst: int, dport: int) -> PortBuckets:
         key = (dst, dport)
