@@ -193,6 +193,10 @@ class NodeCounters:
 class Node:
     """A host's reservation core with replication, leases and resync (sans-IO)."""
 
+    # Set by a driver while it answers a local request: what is published meanwhile waits,
+    # unsigned, for publish_deferred() (the client gets its answer before the signing and sends).
+    defer_publish = False
+
     def __init__(
         self,
         host: int,
@@ -263,10 +267,7 @@ class Node:
         self._sigs_pruned = -math.inf
         self._started_at: float | None = None
         self._out_seq = 0
-        # True while a driver answers a local request: what it publishes waits, unsigned,
-        # until publish_deferred() (the client gets its answer before the signing and sends).
-        self.defer_publish = False
-        self._deferred: list[Message] = []
+        self._deferred: list[Message] = []  # published while defer_publish was set
         self._next_hello = -math.inf
         self._local: dict[FlowId, _Local] = {}
         self._alias: dict[FlowId, FlowId] = {}  # re-pathed flow -> its new reservation
