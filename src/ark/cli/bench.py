@@ -144,13 +144,16 @@ def bench_flood(rate: float, seconds: float, peer_rate: float, as_json: bool) ->
 @click.option("--retention", type=FiniteRange(min=1, max=3600), default=5.0, show_default=True, help="retention_s (s).")
 @click.option("--peer-rate", type=FiniteRange(min=10, max=1e7), default=2000.0, show_default=True,
               help="The agents' peer_rate.")
+@click.option("--parts", type=click.IntRange(1, 16), show_default="none (one path per lease)",
+              help="Each cycle a multi-path lease of this many parts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
-def bench_churn(seconds: float, max_flows_per_host: int, retention: float, peer_rate: float, as_json: bool) -> None:
+def bench_churn(seconds: float, max_flows_per_host: int, retention: float, peer_rate: float, parts: int | None,
+                as_json: bool) -> None:
     """One engine reserving and releasing back to back on a real 2-agent cluster: sustained
     cycles/s, refusals and plain-ECMP leases (by reason)."""
     from ark.agent.bench import churn
 
-    r = churn(seconds, max_flows_per_host, retention, peer_rate)
+    r = churn(seconds, max_flows_per_host, retention, peer_rate, parts)
     _print_json_or_line(r, as_json, f"{r['cycles']} reserve+release cycles in {r['seconds']} s: {r['cycles_per_s']} "
                         f"cycles/s (slowest second {r['cycles_per_s_min']}), cycle p50 {r['cycle_ms_p50']} ms, "
                         f"p99 {r['cycle_ms_p99']} ms, {r['agent_cpu_us_per_cycle']} us of agent CPU per cycle; "

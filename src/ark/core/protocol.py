@@ -286,7 +286,7 @@ class ArkCore:
             return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False, why=SAME_LEAF)
         n = len(stages[0])
         capped = "" if not reserve or (len(self._unreleased) < self.limits.max_flows_per_host and self._table.owner_count(
-            self.host) < self._owner_retained) else self._capped()
+            self.host) < self._owner_retained) else self._capped(float(now))
         if capped:
             self.counters.capped += 1
         if capped or not reserve:
@@ -368,19 +368,23 @@ class ArkCore:
         if not 0 <= dport <= 0xFFFF:
             raise CoreError(f"dport: must be 0..65535; got {dport}")
 
-    def _capped(self) -> str:
+    def _capped(self, now: float) -> str:
         """Why this host may not reserve more now ("" when it may).
 
         Live reservations are bounded by ``max_flows_per_host``; released ones do not
         count. What peers bound is every retained reservation of ours (ended ones until
         forgotten): we stop ``max_flows_per_host`` short of that (``owner_retained``), so a
-        peer that forgets later than we do still takes every RESERVE we send.
+        peer that forgets later than we do still takes every RESERVE we send. Ended ones
+        count for ``retention_s`` only: at the cap, what waits only for the next forgetting
+        on the bookkeeping grid (up to twice ``purge_slack_s`` more) is forgotten first.
         """
         lim = self.limits
         if len(self._unreleased) >= lim.max_flows_per_host:
             return f"cap: {lim.max_flows_per_host} live reservations"
         if self._table.owner_count(self.host) >= self._owner_retained:
-            return f"cap: {self._owner_retained} reservations retained"
+            self._table.forget_ended(now)
+            if self._table.owner_count(self.host) >= self._owner_retained:
+                return f"cap: {self._owner_retained} reservations retained"
         return ""
 
     def _ecmp(self, flow: FlowId, dst: int, dport: int, buckets: PortBuckets, why: str) -> Decision:
