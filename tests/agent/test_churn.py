@@ -23,13 +23,13 @@ def test_back_to_back_reserve_release_past_the_cap_gets_no_error() -> None:
 
 def _four_part_churn(seconds: float) -> None:
     """Back-to-back four-part leases, as fast as one client gets them answered, with the
-    default limits: every part reserved or plain ECMP for a path reason, none for a cap.
-    The peer reads every message (its peer_rate above what the stream sends)."""
-    r = churn(seconds=seconds, parts=4, peer_rate=1e5)
+    cluster's default limits: every part reserved or plain ECMP for a path reason, none for
+    a cap (its ends count for one retention, not until the bookkeeping grid forgets them)."""
+    r = churn(seconds=seconds, parts=4)
     assert r["refusals"] == 0, r["refusal_reasons"]
     assert r["cycles"] > 50 * seconds and r["errors"] == 0
     assert r["capped"] == 0 and not [w for w in r["ecmp_reasons"] if w.startswith("cap:")], r["ecmp_reasons"]
-    assert r["peer_overflow"] == 0 and r["peer_rate_limited"] == 0
+    assert r["peer_overflow"] == 0
 
 
 def test_back_to_back_four_part_leases_meet_no_cap() -> None:
