@@ -1,12 +1,13 @@
 """``ark bench lease``: what a lease costs an engine, beside what the local transport costs.
 
 Real agent processes on loopback (two per build: the engine's and its peer), one client in
-this process. Every cycle times, on each build in turn, a reserve, a renew and a release
-of one flow and a four-part reserve (its release untimed), and one round trip to an echo
-server: a ZeroMQ ROUTER in a process of its own on the same ``ipc://`` transport that
-decodes the client's msgpack request and answers it, doing nothing else. That echo is the
-floor: no agent can answer faster over this transport. The builds take turns within
-each cycle, so that the machine's load falls on all of them alike.
+this process. Every cycle times, step by step, a reserve, a renew and a release of one
+flow and a four-part reserve (its release untimed): each step first as one round trip to
+an echo server (a ZeroMQ ROUTER in a process of its own on the same ``ipc://`` transport
+that decodes the client's msgpack request and answers it, doing nothing else), then on
+each build in turn, every call after the same short quiet. That echo is the floor: no
+agent can answer faster over this transport. The builds take turns within each step, so
+that the machine's load falls on all of them, and on the floor, alike.
 
 A build is this code, an older checkout's (its ``src/`` run by its own agents, with
 ``PYTHONPATH``), or this code in arbiter mode (every lease through an arbiter process).
@@ -74,6 +75,7 @@ class _Build:
     src: str
     dst: str
     parts: bool = True  # the build has multi-path leases
+    flow: tuple[int, int] | None = None  # the flow of the cycle under way
     lat: dict[str, list[float]] = field(default_factory=lambda: {op: [] for op in OPS})
     errors: int = 0
     cpu_s: float = 0.0
@@ -122,35 +124,51 @@ def _builds(root: Path, old: str | None, arbiter: bool) -> Iterator[list[_Build]
             b.procs.stop_all()
 
 
-def _timed_cycle(c: ArkClient, b: _Build, pause_s: float) -> None:
-    """One reserve, renew, release and (where the build has them) four-part reserve, each
-    after ``pause_s`` of quiet, as the floor's round trip is (an engine's lease comes to an
-    agent that was waiting, not to one busy with the last)."""
-    t, lat = time.perf_counter, b.lat
+def _step(c: ArkClient, b: _Build, step: int) -> None:
+    """One step of a build's cycle, timed: 0 reserve, 1 renew, 2 release (of one flow),
+    3 a four-part reserve (its release untimed), where the build has multi-path leases."""
+    t = time.perf_counter
     try:
-        time.sleep(pause_s)
+        if step == 3 and not b.parts:
+            return
         t0 = t()
-        lease = c.reserve(b.dst, NBYTES, wait_ready_s=0)
-        lat["reserve"].append(t() - t0)
-        time.sleep(pause_s)
-        t0 = t()
-        c.renew(lease.flow_id)
-        lat["renew"].append(t() - t0)
-        time.sleep(pause_s)
-        t0 = t()
-        c.release(lease.flow_id)
-        lat["release"].append(t() - t0)
-        if b.parts:
-            time.sleep(pause_s)
-            t0 = t()
+        if step == 0:
+            b.flow = c.reserve(b.dst, NBYTES, wait_ready_s=0).flow_id
+        elif step == 1 and b.flow is not None:
+            c.renew(b.flow)
+        elif step == 2 and b.flow is not None:
+            c.release(b.flow)
+            b.flow = None
+        elif step == 3:
             parts = c.reserve_split(b.dst, PARTS * NBYTES, parts=PARTS, wait_ready_s=0)
-            lat["reserve4"].append(t() - t0)
+            b.lat["reserve4"].append(t() - t0)
             c.release_split([p.flow_id for p in parts])
+            return
+        else:
+            return
+        b.lat[OPS[step]].append(t() - t0)
     except ArkClientError as e:
-        if "parts" in str(e):  # a build without multi-path leases
+        if step == 3 and "parts" in str(e):  # a build without multi-path leases
             b.parts = False
         else:
             b.errors += 1
+
+
+def _cycle(ec: ArkClient, clients: dict[str, ArkClient], builds: list[_Build], i: int, floor: list[float],
+           pause_s: float) -> None:
+    """One cycle: each step in turn, on the floor's echo and then on every build (their
+    order rotating from cycle to cycle), each after ``pause_s`` of quiet, so that every
+    operation, the echo's too, meets a process that was waiting for it: an engine's lease
+    comes to an agent that was idle, not to one still busy with the last."""
+    order = builds[i % len(builds):] + builds[:i % len(builds)]
+    for step in range(len(OPS)):
+        time.sleep(pause_s)
+        t0 = time.perf_counter()
+        ec.call({"op": "reserve", "dst": "gpu1", "nbytes": NBYTES, "dport": 4791})
+        floor.append(time.perf_counter() - t0)
+        for b in order:
+            time.sleep(pause_s)
+            _step(clients[b.name], b, step)
 
 
 def _cpu_block(c: ArkClient, b: _Build, cycles: int) -> None:
@@ -197,17 +215,12 @@ def lease_bench(samples: int = 2000, old: str | None = None, arbiter: bool = Tru
             with _builds(root, old, arbiter) as builds, ArkClient(echo_ep, timeout_s=10.0) as ec:
                 clients = {b.name: ArkClient(b.procs.api(b.src), timeout_s=10.0) for b in builds}
                 _wait_echo(ec)
-                for b in builds:  # warm up: connections, buckets, the first sync
-                    for _ in range(50):
-                        _timed_cycle(clients[b.name], b, 0.0)
+                for i in range(50):  # warm up: connections, buckets, the first sync
+                    _cycle(ec, clients, builds, i, [], 0.0)
+                for b in builds:
                     b.lat, b.errors = {op: [] for op in OPS}, 0
                 for i in range(samples):
-                    time.sleep(pause_s)
-                    t0 = time.perf_counter()
-                    ec.call({"op": "reserve", "dst": "gpu1", "nbytes": NBYTES, "dport": 4791})
-                    floor.append(time.perf_counter() - t0)
-                    for b in builds[i % len(builds):] + builds[:i % len(builds)]:
-                        _timed_cycle(clients[b.name], b, pause_s)
+                    _cycle(ec, clients, builds, i, floor, pause_s)
                 blocks = 4
                 for _ in range(blocks):
                     for b in builds:

@@ -427,18 +427,17 @@ class ArkCore:
             rate = self._rates[(dst, path)] = float(self.routes.path_rate_bps(self.host, dst, path))
         expires = now + self._lease(nbytes, rate) if self._lease else INF
         msg = Reserve(flow, now, self.host, dst, dport, path, port, nbytes, rate, shared, expires)
-        self._own[flow] = _Own(flow, dst, dport, path, port, True)
+        own = self._own[flow] = _Own(flow, dst, dport, path, port, True)
         self._unreleased.add(flow)
         self.counters.reserved += 1
         changes = self._record_reserve(msg)
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
         # recomputation may move other local flows: report those as events.
         events = tuple(e for e in changes if e.flow != flow) if changes else ()
-        own = self._own[flow]
-        return Decision(
-            flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
-            reserved=own.reserved, shared=shared, fallback=shared or not own.reserved,
-            messages=(msg,), events=events, why="" if own.reserved else NO_FREE_PATH,  # lost at once
+        reserved = own.reserved
+        return Decision(  # positional: one per request (reserved, shared, fallback, messages, events, why)
+            flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port), reserved, shared,
+            shared or not reserved, (msg,), events, "" if reserved else NO_FREE_PATH,  # lost at once
         )
 
     def select_path(self, dst: int) -> int | None:
