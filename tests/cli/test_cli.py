@@ -128,7 +128,7 @@ def test_bench_lease_json_with_an_old_build_and_the_arbiter() -> None:
     """This checkout stands in for the old build: its agents run from its src/ through
     PYTHONPATH, as an old worktree's would, turn about with this build's and arbiter mode's."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    p = ark("bench", "lease", "--samples", "50", "--cpu-cycles", "100", "--old", root, "--json")
+    p = ark("bench", "lease", "--samples", "50", "--cpu-cycles", "100", "--decisions", "2000", "--old", root, "--json")
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["floor"]["n"] == 4 * 50 and 0 < d["floor"]["p50_us"] <= d["floor"]["p99_us"]
@@ -144,7 +144,7 @@ def test_bench_lease_json_with_an_old_build_and_the_arbiter() -> None:
 
 
 def test_bench_lease_table_and_a_wrong_old_path() -> None:
-    p = ark("bench", "lease", "--samples", "50", "--cpu-cycles", "100", "--no-arbiter")
+    p = ark("bench", "lease", "--samples", "50", "--cpu-cycles", "100", "--decisions", "1000", "--no-arbiter")
     assert p.returncode == 0, p.stderr
     assert "floor: a msgpack echo" in p.stdout and "reserve, 4 parts" in p.stdout and "targets:" in p.stdout
     one_line_error(ark("bench", "lease", "--old", os.path.dirname(os.path.abspath(__file__))), "--old", "src/ark")

@@ -276,8 +276,10 @@ def bench_arbiter(rates: str, seconds: float, hosts: int, policy: str, takeover_
               help="Also measure this build in arbiter mode (every lease through an arbiter process).")
 @click.option("--cpu-cycles", type=click.IntRange(100, 1_000_000), default=2000, show_default=True,
               help="Reserve+release cycles per build for the agent's CPU figure.")
+@click.option("--decisions", type=click.IntRange(1000, 1_000_000), default=20_000, show_default=True,
+              help="Decisions per run of the core's decision benchmark (three runs per build).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
-def bench_lease(samples: int, old: str | None, arbiter: bool, cpu_cycles: int, as_json: bool) -> None:
+def bench_lease(samples: int, old: str | None, arbiter: bool, cpu_cycles: int, decisions: int, as_json: bool) -> None:
     """A lease's round trip through the local API (reserve, renew, release, a four-part
     reserve; P50/P99) beside the local transport's floor measured in the same run, and the
     agent's CPU and the core's decision time; optionally an older build's and arbiter mode's."""
@@ -287,7 +289,7 @@ def bench_lease(samples: int, old: str | None, arbiter: bool, cpu_cycles: int, a
 
     if old is not None and not (Path(old) / "src" / "ark" / "__init__.py").is_file():
         raise click.BadParameter(f"expected a checkout of ARK (with src/ark/); got {old!r}", param_hint="--old")
-    r = lease_bench(samples, old, arbiter, cpu_cycles)
+    r = lease_bench(samples, old, arbiter, cpu_cycles, decisions)
     if as_json:
         click.echo(json.dumps(r, indent=1))
         return
