@@ -292,8 +292,8 @@ class ArkCore:
         if capped or not reserve:
             return self._ecmp(flow, dst, dport, buckets, capped or why)
         usable = buckets.usable_mask & ~avoid or buckets.usable_mask if avoid else buckets.usable_mask
-        if prefer_port is None:  # the usual request: the stage masks answer
-            path, pinned = self._table.lowest_free(self._sids.get(dst) or self._stage_ids(dst), n, usable), None
+        if prefer_port is None:  # the usual request (a core on a shared table has its own view)
+            path, pinned = self._lowest_free(dst, n, usable, float(now)), None
         else:
             path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
         shared = False
