@@ -254,3 +254,26 @@ def test_the_leases_of_a_killed_client_are_released_within_the_bound() -> None:
         assert all(mine.flow_id in f for f in _flows(b).values())
         # One flow per single-path holder, four for the multi-path one.
         assert b.procs.status([src])[src]["node"]["vanished_client_releases"] == len(_HOLDERS) + 3
+
+
+def test_a_clients_identity_is_looked_up_once_per_connection_and_again_after_a_close() -> None:
+    """The agent reads a client's pid and /proc entry on its connection's first request
+    only; any connection closing makes it look every client up again (a process that is
+    gone is never taken from the cache). Its flows are held all the same."""
+    with bed(agents=2) as b:
+        src, dst = b.running
+        with ArkClient(b.procs.api(src)) as c:
+            c.status()
+            time.sleep(0.3)  # the connections of earlier clients (readiness) have closed
+            base = c.status()["node"]["client_lookups"]
+            for _ in range(30):
+                lease = c.reserve(dst, 10**6)
+                c.renew(lease.flow_id)
+                c.release(lease.flow_id)
+            assert c.status()["node"]["client_lookups"] == base
+            with ArkClient(b.procs.api(src)) as other:
+                other.status()  # a second connection: looked up once
+            time.sleep(0.3)  # its close empties the cache
+            held = c.reserve(dst, 10**6)
+            assert c.status()["node"]["client_lookups"] == base + 2
+            assert held.flow_id in b.procs.tables([src])[src]

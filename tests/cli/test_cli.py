@@ -116,3 +116,35 @@ def test_bench_transport_json() -> None:
     assert p.returncode == 0, p.stderr
     d = json.loads(p.stdout)
     assert d["messages"] == 300 and d["cpu_us_per_message"] > 0
+
+
+def test_bench_arbiter_prints_its_table_without_json() -> None:
+    p = ark("bench", "arbiter", "--rates", "500", "--seconds", "0.5", "--hosts", "4")
+    assert p.returncode == 0, p.stderr
+    assert "offered/s" in p.stdout and "sustained 500 decisions/s" in p.stdout
+
+
+def test_bench_lease_json_with_an_old_build_and_the_arbiter() -> None:
+    """This checkout stands in for the old build: its agents run from its src/ through
+    PYTHONPATH, as an old worktree's would, turn about with this build's and arbiter mode's."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = ark("bench", "lease", "--samples", "50", "--cpu-cycles", "100", "--decisions", "2000", "--old", root, "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["floor"]["n"] == 4 * 50 and 0 < d["floor"]["p50_us"] <= d["floor"]["p99_us"]
+    assert set(d["builds"]) == {"new", "old", "arbiter"}
+    for name, b in d["builds"].items():
+        assert b["errors"] == 0, name
+        for op in ("reserve", "renew", "release", "reserve4"):
+            assert b["ops"][op]["n"] == 50 and b["ops"][op]["p50_us"] > 0, (name, op)
+            assert b["x_floor"][op]["p50_us"] == round(b["ops"][op]["p50_us"] / d["floor"]["p50_us"], 2)
+    assert d["builds"]["old"]["decision_us_p50"] > 0 and d["builds"]["new"]["agent_cpu_us_per_reserve_release"] > 0
+    assert {"reserve_p50_x_floor", "reserve4_p50_x_reserve", "decision_us_p50_x_old"} <= set(d["targets"])
+    assert len(d["load_average_before"]) == 3
+
+
+def test_bench_lease_table_and_a_wrong_old_path() -> None:
+    p = ark("bench", "lease", "--samples", "50", "--cpu-cycles", "100", "--decisions", "1000", "--no-arbiter")
+    assert p.returncode == 0, p.stderr
+    assert "floor: a msgpack echo" in p.stdout and "reserve, 4 parts" in p.stdout and "targets:" in p.stdout
+    one_line_error(ark("bench", "lease", "--old", os.path.dirname(os.path.abspath(__file__))), "--old", "src/ark")

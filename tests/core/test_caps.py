@@ -143,3 +143,32 @@ def test_a_free_path_whose_ports_are_all_held_gives_plain_ecmp_not_an_error() ->
     e = c.request(9, 10**9, 2.0)
     assert not e.reserved and e.fallback and e.why == "no free port on path 0" and e.messages == ()
     assert tiny(1, 9, 4791).path_of(e.port) == e.path  # plain ECMP: a random port, its own path
+
+
+def test_four_part_leases_back_to_back_never_meet_the_retained_cap_below_its_rate() -> None:
+    """Node to Node, the default limits, timers run when next_deadline says (as an agent
+    runs them, forgetting on the bookkeeping grid): 575 four-part leases a second for 8 s,
+    2,300 reservations a second, 11,500 ended within one retention, under the 12,288 the
+    owner stops at. Ends that wait only for the grid (up to a second more: 13,800) do not
+    count, so every part reserves; the peer, forgetting on its own grid, keeps every one."""
+    owner, peer = (Node(h, PAPER, MAPS, [p], incarnation=1, lease=LEASE) for h, p in ((0, 8), (8, 0)))
+    for n in (owner, peer):
+        n.start(0.0)
+        n.tick(2.0)
+    whys: dict[str, int] = {}
+    rate, seconds = 575, 8
+    for k in range(seconds * rate):
+        now = 2.0 + k / rate
+        leases, outs = owner.reserve_split(8, 4 * 10**6, now, 4)
+        for le in leases:
+            whys[le.fallback] = whys.get(le.fallback, 0) + 1
+            outs += owner.release(le.flow_id, now)
+        for o in outs:
+            peer.on_message(0, o.data, now + 1e-4)
+        for n in (owner, peer):
+            if now >= n.next_deadline(now):
+                n.flush()
+                n.tick(now)
+    assert whys == {"": 4 * seconds * rate} and owner.core.counters.capped == 0
+    assert peer.core.counters.overflow == 0
+    assert owner.core.digest(at=now) == peer.core.digest(at=now)

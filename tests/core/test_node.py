@@ -385,3 +385,46 @@ def test_a_part_that_loses_a_race_is_repathed_and_its_lease_follows() -> None:
     # What a renewal of the lease answers (the client's parts follow it), under the same ids.
     renewed = [a.renew(le.flow_id, 2.2)[0] for le in leases]
     assert [(r.flow_id, r.path, r.src_port) for r in renewed] == [(le.flow_id, le.path, le.src_port) for le in now]
+
+
+def test_publishes_deferred_while_a_request_is_answered_go_out_after_in_order() -> None:
+    """A driver answering a local request sets defer_publish: reserve, renew and release
+    return nothing to send, and publish_deferred() then signs and envelopes all of it in
+    the order it happened, so every replica ends where it would have."""
+    signed: list[bytes] = []
+    net = Net()
+    net.nodes[0] = make(0, signer=lambda raw: signed.append(raw) or b"s" * 64)
+    net.start()
+    a = net.nodes[0]
+    a.defer_publish = True
+    lease, outs = a.reserve(8, 10**9, 2.0)
+    split, outs2 = a.reserve_split(9, 4 * 10**9, 2.0, 3)
+    assert outs == [] and outs2 == [] and signed == []  # nothing signed before the answer
+    a.defer_publish = False
+    out = a.publish_deferred()
+    assert len(out) == 4 and len(signed) == 4 and a.publish_deferred() == []
+    assert [decode_envelope(o.data).seq for o in out] == [1, 2, 3, 4]
+    net.emit(0, out, 2.0)
+    for f in (lease.flow_id, *(p.flow_id for p in split)):
+        assert all(f in n.core.table() for n in net.nodes.values())
+    a.defer_publish = True
+    assert a.release(lease.flow_id, 2.5) == []
+    a.defer_publish = False
+    net.emit(0, a.publish_deferred(), 2.5)
+    assert all(lease.flow_id not in n.core.table() for n in net.nodes.values())
+    assert len(net.digests(2.5)) == 1
+
+
+def test_a_split_lease_is_checked_once_and_refused_whole() -> None:
+    """One pass: an invalid split request or a node still resynchronising raises before
+    any part is taken; a valid one publishes every reserved part in one list."""
+    n = make(0)
+    n.start(0.0)
+    with pytest.raises(NotReady):
+        n.reserve_split(8, 10**9, 0.1, 4)
+    with pytest.raises(CoreError, match="dst"):
+        n.reserve_split(0, 10**9, 0.1, 4)
+    assert n.local_flows() == [] and n.core.counters.requests == 0
+    n.tick(1.01)
+    leases, outs = n.reserve_split(8, 10**9, 1.1, 4)
+    assert len({le.path for le in leases}) == 4 and len(outs) == 4 and len(n.local_flows()) == 4

@@ -120,11 +120,12 @@ class LocalApi:
             name: getattr(self, f"op_{name}") for name in OPS
         }
         self.pid = 0  # the process the request being handled came from (0: not known)
+        self.rid = b""  # and the connection it came on
 
     def handle(self, body: bytes, rid: bytes = b"", pid: int = 0) -> Reply | None:
         """The reply to one request (None: answered later, e.g. ``refresh``) from process
         ``pid``, which holds the flows it reserves or renews (:mod:`ark.agent.holders`)."""
-        self.pid = pid
+        self.pid, self.rid = pid, rid
         try:
             req = self._decode(body)
             return self.ops[req.op](req, rid, time.time())
@@ -234,7 +235,7 @@ class LocalApi:
         """The requesting process holds these flows (released if it vanishes)."""
         for lease in leases:
             if self.agent.node.holds(lease.flow_id):  # an untracked ECMP lease holds nothing to release
-                self.agent.holders.hold(lease.flow_id, self.pid)
+                self.agent.holders.hold(lease.flow_id, self.pid, self.rid)
 
     def op_lease(self, req: FlowReq, rid: bytes, now: float) -> Reply:
         return {"ok": True, "lease": lease_dict(self.agent.node.lease_of(req.flow, now))}
@@ -262,6 +263,7 @@ class LocalApi:
         st["node"].update(unsent=agent.dropped_out, errors=agent.errors, rate_limited=agent.rate_limited,
                           connections_shed=agent.guard.shed if hasattr(agent, "guard") else 0,
                           vanished_client_releases=agent.holders.released if hasattr(agent, "holders") else 0,
+                          client_lookups=agent.holders.lookups if hasattr(agent, "holders") else 0,
                           **(agent.http.counters() if agent.http is not None else {}))
         st["peers"] = {agent.peers[int(p)].name: v for p, v in st["peers"].items()}
         st["control"] = agent.cluster.control

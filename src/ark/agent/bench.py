@@ -149,20 +149,22 @@ def flood(messages_per_s: float = 10_000, seconds: float = 10.0, peer_rate: floa
 
 
 def churn(seconds: float = 60.0, max_flows_per_host: int = 4096, retention_s: float = 5.0,
-          peer_rate: float = 2000.0) -> dict[str, Any]:
+          peer_rate: float = 2000.0, parts: int | None = None) -> dict[str, Any]:
     """One engine reserving and releasing back to back, as fast as its agent answers, on a
     real two-agent cluster: cycles per second, refusals (error replies), plain ECMP leases
-    and their reasons, and what the peer made of the stream (dropped, rate limited)."""
+    and their reasons, and what the peer made of the stream (dropped, rate limited).
+    ``parts``: each cycle a multi-path lease of that many parts (its plain ECMP parts
+    counted one by one)."""
     with bed(agents=2, peer_rate=peer_rate, max_flows_per_host=max_flows_per_host, retention_s=retention_s) as b:
         src, dst = b.running
         pid = b.pid(src)
         cpu0 = sum(thread_cpu_s([pid]).values())
-        r = _churn_cycles(b.procs.api(src), dst, seconds)
+        r = _churn_cycles(b.procs.api(src), dst, seconds, parts)
         cpu = sum(thread_cpu_s([pid]).values()) - cpu0
         time.sleep(1.0)  # the peer's last batch and syncs
         st = b.procs.status(b.running)
     mine, peer = st[src], st[dst]
-    r.update(max_flows_per_host=max_flows_per_host, retention_s=retention_s, peer_rate=peer_rate,
+    r.update(max_flows_per_host=max_flows_per_host, retention_s=retention_s, peer_rate=peer_rate, parts=parts,
              agent_cpu_us_per_cycle=round(cpu / max(1, r["cycles"]) * 1e6, 1), capped=mine["core"]["capped"],
              peer_overflow=peer["core"]["overflow"], peer_rate_limited=peer["node"]["rate_limited"],
              peer_gaps=peer["node"]["gaps"], peer_sync_applied=peer["node"]["sync_applied"],
@@ -170,7 +172,7 @@ def churn(seconds: float = 60.0, max_flows_per_host: int = 4096, retention_s: fl
     return r
 
 
-def _churn_cycles(api: str, dst: str, seconds: float) -> dict[str, Any]:
+def _churn_cycles(api: str, dst: str, seconds: float, parts: int | None = None) -> dict[str, Any]:
     """Reserve+release cycles against ``api`` for ``seconds``, back to back: what the engine got."""
     refused: Counter[str] = Counter()
     ecmp: Counter[str] = Counter()
@@ -180,16 +182,19 @@ def _churn_cycles(api: str, dst: str, seconds: float) -> dict[str, Any]:
         t0 = time.monotonic()
         while (t := time.monotonic()) - t0 < seconds:
             try:
-                lease = c.reserve(dst, 10**6, wait_ready_s=0)
-                c.release(lease.flow_id)
+                if parts is None:
+                    leases = [c.reserve(dst, 10**6, wait_ready_s=0)]
+                    c.release(leases[0].flow_id)
+                else:
+                    leases = c.reserve_split(dst, parts * 10**6, parts=parts, wait_ready_s=0)
+                    c.release_split([le.flow_id for le in leases])
             except ArkClientError as e:
                 refused[str(e)[:100]] += 1
                 continue
             now = time.monotonic()
             ends.append(now - t0)
             took.append(now - t)
-            if lease.fallback:
-                ecmp[lease.fallback] += 1
+            ecmp.update(le.fallback for le in leases if le.fallback)
     wall = time.monotonic() - t0
     per_s = np.bincount(np.asarray(ends, dtype=int), minlength=int(seconds))[:int(seconds)]
     ms = np.asarray(took) * 1e3

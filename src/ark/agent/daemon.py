@@ -44,7 +44,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from ark.agent.api import API_MAX_BYTES, LocalApi, lease_dict
 from ark.agent.arbiter_link import ArbiterForwarder
 from ark.agent.cluster import Cluster, HostEntry
-from ark.agent.holders import Holders, peer_pid
+from ark.agent.holders import Holders
 from ark.agent.incarnation import IncarnationError, next_incarnation
 from ark.agent.keys import Signatures
 from ark.agent.logs import event as _ev
@@ -337,7 +337,7 @@ class Agent:
                             error=traceback.format_exc(limit=3).strip().splitlines()[-1], **fields))
 
     def _drain_api(self, limit: int = 1024) -> None:
-        sock = self.api_sock
+        sock, node = self.api_sock, self.node
         for _ in range(limit):
             if not readable(sock):
                 return
@@ -345,10 +345,17 @@ class Agent:
             if len(frames) < 2:
                 continue
             rid = frames[0].bytes
-            pid = peer_pid(frames[-1]) if self._api_ipc else 0  # over TCP the peer address is an IP
-            reply = self.api.handle(frames[-1].bytes, rid, pid)
+            # Over TCP the peer address is an IP; over ipc the sender, looked up once per connection.
+            pid = self.holders.pid_of(rid, frames[-1]) if self._api_ipc else 0
+            # The client's answer first; the signing and the sends to peers after it.
+            node.defer_publish = True
+            try:
+                reply = self.api.handle(frames[-1].bytes, rid, pid)
+            finally:
+                node.defer_publish = False
             if reply is not None:  # None: answered later (refresh)
                 self.reply(rid, reply)
+            self.emit(node.publish_deferred())
 
     def reply(self, rid: bytes, reply: dict[str, Any]) -> None:
         self.api_sock.send_multipart([rid, b"", msgpack.packb(reply, use_bin_type=True)])

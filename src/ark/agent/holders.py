@@ -14,6 +14,13 @@ the peers: within :data:`CHECK_S` of its exit, plus the agent's loop.
 
 A client the agent cannot see (an API over ``tcp://``, or a process in a pid namespace the
 agent's cannot see into: pid 0) keeps its flows until their leases end, as before.
+
+A client's identity is looked up once per connection, not once per request: the sending
+pid (one property lookup) and its ``/proc`` entry are kept by the connection's routing id,
+which names one connection of one process for as long as it is open (the kernel's
+``SO_PEERCRED`` is the connecting process's, fixed at connect). Any connection closing
+empties that cache (the monitor does not say which one closed), so a process that is gone
+is never looked up from it; so does the cache reaching :data:`MAX_CONNECTIONS`.
 """
 
 from __future__ import annotations
@@ -21,7 +28,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import zmq
 
@@ -29,6 +35,7 @@ from ark.core.messages import FlowId
 
 CHECK_S = 1.0
 AFTER_CLOSE_S = 0.05
+MAX_CONNECTIONS = 4096  # identities kept at once (more connections: looked up again)
 
 Proc = tuple[int, int]  # (pid, start time in clock ticks since boot): one process, never reused
 
@@ -46,7 +53,8 @@ def peer_pid(frame: zmq.Frame) -> int:
 def process(pid: int) -> Proc | None:
     """``pid``'s (pid, start time) if it is a live process (not a zombie), else None."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
+        with open(f"/proc/{pid}/stat", "rb") as f:  # not pathlib: this is on the sweep's path
+            stat = f.read()
     except OSError:
         return None
     fields = stat.rsplit(b")", 1)[-1].split()  # after the command name, which may hold anything
@@ -64,10 +72,30 @@ class Holders:
         self._holder: dict[FlowId, Proc] = {}
         self.due = math.inf  # time.monotonic() of the next sweep
         self.released = 0
+        self._conns: dict[bytes, tuple[int, Proc | None]] = {}  # routing id -> (pid, process)
+        self.lookups = 0  # /proc reads for identities (not for sweeps)
 
-    def hold(self, flow: FlowId, pid: int) -> None:
-        """``pid`` reserved or renewed ``flow``: it holds it now."""
-        proc = process(pid) if pid > 0 else None
+    def pid_of(self, rid: bytes, frame: zmq.Frame) -> int:
+        """The pid of the process on connection ``rid`` (0: not known), looked up once."""
+        known = self._conns.get(rid)
+        if known is not None:
+            return known[0]
+        pid = peer_pid(frame)
+        self._remember(rid, pid)
+        return pid
+
+    def _remember(self, rid: bytes, pid: int) -> None:
+        if len(self._conns) >= MAX_CONNECTIONS:
+            self._conns.clear()
+        self.lookups += pid > 0
+        self._conns[rid] = (pid, process(pid) if pid > 0 else None)
+
+    def hold(self, flow: FlowId, pid: int, rid: bytes = b"") -> None:
+        """``pid`` (on connection ``rid``) reserved or renewed ``flow``: it holds it now."""
+        if pid <= 0:
+            return
+        known = self._conns.get(rid)
+        proc = known[1] if known is not None and known[0] == pid else process(pid)
         if proc is None or self._holder.get(flow) == proc:
             return
         self.drop(flow)
@@ -87,6 +115,7 @@ class Holders:
         """API connections closed (monitor events waiting): sweep soon."""
         while self.monitor.poll(0):
             self.monitor.recv_multipart()
+        self._conns.clear()  # which connection closed is not said: every identity is looked up again
         if self._flows:
             self.due = min(self.due, time.monotonic() + AFTER_CLOSE_S)
 

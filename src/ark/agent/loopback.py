@@ -116,6 +116,7 @@ class AgentProcs:
     workdir: Path
     fd_limit: int | None = None  # start the agents under this descriptor limit (soft and hard)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    pythonpath: str | None = None  # run another build's code (its src/): a benchmark's old build
 
     def api(self, name: str) -> str:
         return f"ipc://{self.workdir}/api/{name}.sock"
@@ -133,6 +134,7 @@ class AgentProcs:
                 [sys.executable, "-m", "ark", *(("arbiter", "--name") if name.startswith("arb") else ("agent", "--host")),
                  name, "--cluster", str(self.cluster_file)],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL, preexec_fn=limited if limit else None,
+                env=None if self.pythonpath is None else {**os.environ, "PYTHONPATH": self.pythonpath},
             )
 
     def cpu_s(self) -> float:

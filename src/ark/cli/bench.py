@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import click
 from rich.table import Table
@@ -143,13 +144,16 @@ def bench_flood(rate: float, seconds: float, peer_rate: float, as_json: bool) ->
 @click.option("--retention", type=FiniteRange(min=1, max=3600), default=5.0, show_default=True, help="retention_s (s).")
 @click.option("--peer-rate", type=FiniteRange(min=10, max=1e7), default=2000.0, show_default=True,
               help="The agents' peer_rate.")
+@click.option("--parts", type=click.IntRange(1, 16), show_default="none (one path per lease)",
+              help="Each cycle a multi-path lease of this many parts.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
-def bench_churn(seconds: float, max_flows_per_host: int, retention: float, peer_rate: float, as_json: bool) -> None:
+def bench_churn(seconds: float, max_flows_per_host: int, retention: float, peer_rate: float, parts: int | None,
+                as_json: bool) -> None:
     """One engine reserving and releasing back to back on a real 2-agent cluster: sustained
     cycles/s, refusals and plain-ECMP leases (by reason)."""
     from ark.agent.bench import churn
 
-    r = churn(seconds, max_flows_per_host, retention, peer_rate)
+    r = churn(seconds, max_flows_per_host, retention, peer_rate, parts)
     _print_json_or_line(r, as_json, f"{r['cycles']} reserve+release cycles in {r['seconds']} s: {r['cycles_per_s']} "
                         f"cycles/s (slowest second {r['cycles_per_s_min']}), cycle p50 {r['cycle_ms_p50']} ms, "
                         f"p99 {r['cycle_ms_p99']} ms, {r['agent_cpu_us_per_cycle']} us of agent CPU per cycle; "
@@ -257,9 +261,67 @@ def bench_arbiter(rates: str, seconds: float, hosts: int, policy: str, takeover_
         table.add_row(f"{s['offered_per_s']:.0f}", f"{s['completed_per_s']:.0f}", str(s["grant_p50_ms"]),
                   str(s["grant_p99_ms"]), str(s["arbiter_cpu_us_per_decision"]), str(s["arbiter_cores"]),
                   str(s["generator_cores"]), "yes" if s["sustained"] else "no")
-    out.print(t)
+    out.print(table)
     out.print(f"sustained {r['sustained_per_s']:.0f} decisions/s; knee at {r['knee_offered_per_s']} offered/s; "
               f"the last row is 80% of the sustained rate")
+
+
+@bench.command("lease")
+@click.option("--samples", type=click.IntRange(50, 100_000), default=2000, show_default=True,
+              help="Timed cycles per build (each: reserve, renew, release, a four-part reserve).")
+@click.option("--old", "old", type=click.Path(exists=True, file_okay=False), show_default="none",
+              help="An older checkout (e.g. a git worktree of an old commit): its agents, run from its src/, "
+                   "measured in the same run, turn about with this build's.")
+@click.option("--arbiter/--no-arbiter", default=True, show_default=True,
+              help="Also measure this build in arbiter mode (every lease through an arbiter process).")
+@click.option("--cpu-cycles", type=click.IntRange(100, 1_000_000), default=2000, show_default=True,
+              help="Reserve+release cycles per build for the agent's CPU figure.")
+@click.option("--decisions", type=click.IntRange(1000, 1_000_000), default=20_000, show_default=True,
+              help="Decisions per run of the core's decision benchmark (three runs per build).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of a table.")
+def bench_lease(samples: int, old: str | None, arbiter: bool, cpu_cycles: int, decisions: int, as_json: bool) -> None:
+    """A lease's round trip through the local API (reserve, renew, release, a four-part
+    reserve; P50/P99) beside the local transport's floor measured in the same run, and the
+    agent's CPU and the core's decision time; optionally an older build's and arbiter mode's."""
+    from pathlib import Path
+
+    from ark.agent.lease_bench import lease_bench
+
+    if old is not None and not (Path(old) / "src" / "ark" / "__init__.py").is_file():
+        raise click.BadParameter(f"expected a checkout of ARK (with src/ark/); got {old!r}", param_hint="--old")
+    r = lease_bench(samples, old, arbiter, cpu_cycles, decisions)
+    if as_json:
+        click.echo(json.dumps(r, indent=1))
+        return
+    _lease_table(r)
+
+
+def _lease_table(r: dict[str, Any]) -> None:
+    fl = r["floor"]
+    names = list(r["builds"])
+    t = Table(title=f"a lease through the local API, us (P50 / P99), {r['samples']} cycles per build; floor: "
+                    f"a msgpack echo over the same ipc transport, {fl['p50_us']} / {fl['p99_us']} us")
+    t.add_column("operation")
+    for n in names:
+        t.add_column(n, justify="right")
+        t.add_column(f"{n} x floor", justify="right")
+    for op in ("reserve", "renew", "release", "reserve4"):
+        row = [op if op != "reserve4" else f"reserve, {r['parts']} parts"]
+        for n in names:
+            s, x = r["builds"][n]["ops"][op], r["builds"][n]["x_floor"][op]
+            row += ["—", "—"] if s["p50_us"] is None else [f"{s['p50_us']:.0f} / {s['p99_us']:.0f}",
+                                                          f"{x['p50_us']} / {x['p99_us']}"]
+        t.add_row(*row)
+    for key, label in (("agent_cpu_us_per_reserve_release", "agent CPU per reserve+release, us"),
+                       ("decision_us_p50", "core decision P50, us")):
+        vals = [r["builds"][n][key] for n in names]
+        t.add_row(label, *[x for v in vals for x in ("—" if v is None else str(v), "")])
+    out.print(t)
+    met = ", ".join(f"{k} {v['value']} (<= {v['target']}: {'met' if v['met'] else 'NOT met'})"
+                    for k, v in r["targets"].items())
+    out.print(f"targets: {met}", highlight=False)
+    out.print(f"load average {r['load_average_before']} before, {r['load_average_after']} after, "
+              f"on {r['cpus']} CPUs", highlight=False)
 
 
 @bench.command("control-plane")

@@ -193,6 +193,10 @@ class NodeCounters:
 class Node:
     """A host's reservation core with replication, leases and resync (sans-IO)."""
 
+    # Set by a driver while it answers a local request: what is published meanwhile waits,
+    # unsigned, for publish_deferred() (the client gets its answer before the signing and sends).
+    defer_publish = False
+
     def __init__(
         self,
         host: int,
@@ -263,6 +267,7 @@ class Node:
         self._sigs_pruned = -math.inf
         self._started_at: float | None = None
         self._out_seq = 0
+        self._deferred: list[Message] = []  # published while defer_publish was set
         self._next_hello = -math.inf
         self._local: dict[FlowId, _Local] = {}
         self._alias: dict[FlowId, FlowId] = {}  # re-pathed flow -> its new reservation
@@ -336,20 +341,33 @@ class Node:
         this reason (whoever decides cannot be asked)."""
         if not self.ready:
             raise NotReady("node: resynchronising with peers; retry shortly")
+        lease, msgs = self._reserve_one(dst, nbytes, now, dport, prefer_port, avoid, unreserved, self._fence(dst, unreserved))
+        return lease, self._publish(msgs)
+
+    def _fence(self, dst: int, unreserved: str) -> tuple[str, bool]:
+        """(why a request to ``dst`` reserves nothing, "" if it may; is ``dst`` in scope)."""
+        in_scope = self._covers(self.host, dst)
+        return unreserved or ("" if in_scope and not self.skewed else CLOCK_SKEWED if in_scope else OUT_OF_SCOPE), in_scope
+
+    def _reserve_one(
+        self, dst: int, nbytes: int, now: float, dport: int, prefer_port: int | None, avoid: int, unreserved: str,
+        fenced: tuple[str, bool],
+    ) -> tuple[Lease, tuple[Message, ...]]:
+        """One local flow's lease and what it publishes (:meth:`reserve`, checked and fenced)."""
         if len(self._local) >= self.limits.max_local_flows:
             self.counters.untracked += 1
-            return self._untracked_lease(dst, dport, *self.core.ecmp_port(dst, dport), now), []
-        in_scope = self._covers(self.host, dst)
-        fence = unreserved or ("" if in_scope and not self.skewed else CLOCK_SKEWED if in_scope else OUT_OF_SCOPE)
+            return self._untracked_lease(dst, dport, *self.core.ecmp_port(dst, dport), now), ()
+        fence, in_scope = fenced
         dec = self.core.request(dst, nbytes, now, dport, prefer_port, reserve=not fence, avoid=avoid, why=fence)
         if not in_scope:
             self.counters.out_of_scope += 1
         elif self.skewed and not unreserved and self.core.routes.stages(self.host, dst):  # a flow within a leaf reserves nothing anyway
             self.counters.fenced_requests += 1
-        self.events.extend(dec.events)
+        if dec.events:
+            self.events.extend(dec.events)
         expires = self._expiry(dec.flow, now, nbytes)
         self._local[dec.flow] = _Local(dst, dport, nbytes, expires, dec.why)
-        return self._lease(dec.flow), self._publish(dec.messages)
+        return self._lease(dec.flow), dec.messages
 
     def reserve_split(
         self, dst: int, nbytes: int, now: float, parts: int, dport: int = 4791
@@ -358,21 +376,25 @@ class Node:
         chosen as :meth:`reserve` would but away from the paths the earlier parts took
         while other usable paths remain (as :meth:`ArkCore.request_split`). Each part is
         an ordinary reservation, renewed, released and re-pathed on its own; the caller
-        holds them as one."""
+        holds them as one. One pass: the request is checked and fenced once, and the
+        parts' messages are published together."""
         if not 1 <= parts <= MAX_SPLIT_PARTS:
             raise CoreError(f"parts: must be 1..{MAX_SPLIT_PARTS}; got {parts}")
         self.core.check_request(dst, nbytes, dport)
+        if not self.ready:
+            raise NotReady("node: resynchronising with peers; retry shortly")
+        fenced = self._fence(dst, "")
         q, r = divmod(int(nbytes), parts)
         leases: list[Lease] = []
-        outs: list[Output] = []
+        msgs: list[Message] = []
         avoid = 0
         for i in range(parts):
-            lease, out = self.reserve(dst, q + (i < r), now, dport, avoid=avoid)
+            lease, m = self._reserve_one(dst, q + (i < r), now, dport, None, avoid, "", fenced)
             leases.append(lease)
-            outs.extend(out)
+            msgs.extend(m)
             if lease.path >= 0:  # an ECMP part of a probed map may lead over a path nobody knows (-1)
                 avoid |= 1 << lease.path
-        return leases, outs
+        return leases, self._publish(msgs)
 
     def place(
         self, flow: FlowId, dst: int, nbytes: int, now: float, dport: int, path: int | None, *,
@@ -783,14 +805,14 @@ class Node:
     # ------------------------------------------------------------------ internals
     def _expiry(self, flow: FlowId, now: float, nbytes: int) -> float:
         end = self.core.end_of(flow)
-        if end is not None and end != math.inf and self.core.local_flows()[flow][3]:
+        dst, path, _port, reserved = self.core.local_flow(flow)
+        if end is not None and end != math.inf and reserved:
             return end
         # Not reserved (intra-leaf, ECMP fallback, skewed clock): the same lease, kept locally.
-        dst, path, _port, _res = self.core.local_flows()[flow]
         return now + self.lease(nbytes, self.core.routes.path_rate_bps(self.host, dst, path))
 
     def _lease(self, flow: FlowId) -> Lease:
-        dst, path, port, reserved = self.core.local_flows()[flow]
+        dst, path, port, reserved = self.core.local_flow(flow)
         lo = self._local[flow]
         # Reserved at first and no longer: a skewed clock gave it up, or a race took it.
         why = "" if reserved else lo.why or (CLOCK_SKEWED if self.skewed else RACE_LOST)
@@ -803,6 +825,9 @@ class Node:
         return self._publish(rel.messages)
 
     def _publish(self, msgs: Sequence[Message]) -> list[Output]:
+        if self.defer_publish:
+            self._deferred.extend(msgs)
+            return []
         out: list[Output] = []
         for m in msgs:
             self._out_seq += 1
@@ -812,6 +837,12 @@ class Node:
             self._keep_signature(m, raw, sig)
             out.append(Publish(encode_envelope(K_DATA, self.host, self.incarnation, self._out_seq, [raw, sig])))
         return out
+
+    def publish_deferred(self) -> list[Output]:
+        """What was published while :attr:`defer_publish` was set: signed and enveloped now,
+        in the order it was published (its sequence numbers are taken now)."""
+        msgs, self._deferred = self._deferred, []
+        return self._publish(msgs) if msgs else []
 
     def _keep_signature(self, msg: Message, raw: bytes, sig: bytes) -> None:
         """Remember a message's signed bytes, to relay it in a snapshot: a flow's

@@ -272,8 +272,11 @@ class ArkCore:
         reports (``Decision.why``). A host at a cap of its own (:meth:`_capped`) gets plain
         ECMP too, never an error: only an invalid request raises.
         """
-        self.check_request(dst, nbytes, dport)
-        self._settle()
+        # The guards inline (this is the hot path): what check_request and _capped check.
+        if not (0 <= dst < self._n_hosts and dst != self.host and nbytes >= 0 and 0 <= dport <= 0xFFFF):
+            self.check_request(dst, nbytes, dport)
+        if self._table.dirty:
+            self._settle()
         self.counters.requests += 1
         self._seq += 1
         flow = (self.host, self._seq)
@@ -282,13 +285,17 @@ class ArkCore:
         if not stages:  # intra-leaf: nothing to choose, nothing to reserve
             return self._unreserved(flow, dst, dport, 0, buckets.take(0), fallback=False, why=SAME_LEAF)
         n = len(stages[0])
-        capped = self._capped() if reserve else ""
+        capped = "" if not reserve or (len(self._unreleased) < self.limits.max_flows_per_host and self._table.owner_count(
+            self.host) < self._owner_retained) else self._capped(float(now))
         if capped:
             self.counters.capped += 1
         if capped or not reserve:
             return self._ecmp(flow, dst, dport, buckets, capped or why)
         usable = buckets.usable_mask & ~avoid or buckets.usable_mask if avoid else buckets.usable_mask
-        path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
+        if prefer_port is None:  # the usual request (a core on a shared table has its own view)
+            path, pinned = self._lowest_free(dst, n, usable, float(now)), None
+        else:
+            path, pinned = self._free_path(dst, n, buckets, prefer_port, float(now), usable)
         shared = False
         if path is None:
             self.counters.fallbacks += 1
@@ -361,19 +368,23 @@ class ArkCore:
         if not 0 <= dport <= 0xFFFF:
             raise CoreError(f"dport: must be 0..65535; got {dport}")
 
-    def _capped(self) -> str:
+    def _capped(self, now: float) -> str:
         """Why this host may not reserve more now ("" when it may).
 
         Live reservations are bounded by ``max_flows_per_host``; released ones do not
         count. What peers bound is every retained reservation of ours (ended ones until
         forgotten): we stop ``max_flows_per_host`` short of that (``owner_retained``), so a
-        peer that forgets later than we do still takes every RESERVE we send.
+        peer that forgets later than we do still takes every RESERVE we send. Ended ones
+        count for ``retention_s`` only: at the cap, what waits only for the next forgetting
+        on the bookkeeping grid (up to twice ``purge_slack_s`` more) is forgotten first.
         """
         lim = self.limits
         if len(self._unreleased) >= lim.max_flows_per_host:
             return f"cap: {lim.max_flows_per_host} live reservations"
         if self._table.owner_count(self.host) >= self._owner_retained:
-            return f"cap: {self._owner_retained} reservations retained"
+            self._table.forget_ended(now)
+            if self._table.owner_count(self.host) >= self._owner_retained:
+                return f"cap: {self._owner_retained} reservations retained"
         return ""
 
     def _ecmp(self, flow: FlowId, dst: int, dport: int, buckets: PortBuckets, why: str) -> Decision:
@@ -416,18 +427,17 @@ class ArkCore:
             rate = self._rates[(dst, path)] = float(self.routes.path_rate_bps(self.host, dst, path))
         expires = now + self._lease(nbytes, rate) if self._lease else INF
         msg = Reserve(flow, now, self.host, dst, dport, path, port, nbytes, rate, shared, expires)
-        self._own[flow] = _Own(flow, dst, dport, path, port, True)
+        own = self._own[flow] = _Own(flow, dst, dport, path, port, True)
         self._unreleased.add(flow)
         self.counters.reserved += 1
         changes = self._record_reserve(msg)
         # With skewed clocks our own key may lose at once to a peer's smaller key, and a
         # recomputation may move other local flows: report those as events.
         events = tuple(e for e in changes if e.flow != flow) if changes else ()
-        own = self._own[flow]
-        return Decision(
-            flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port),
-            reserved=own.reserved, shared=shared, fallback=shared or not own.reserved,
-            messages=(msg,), events=events, why="" if own.reserved else NO_FREE_PATH,  # lost at once
+        reserved = own.reserved
+        return Decision(  # positional: one per request (reserved, shared, fallback, messages, events, why)
+            flow, dst, dport, own.path, own.port, flow_label_for_sport(own.port), reserved, shared,
+            shared or not reserved, (msg,), events, "" if reserved else NO_FREE_PATH,  # lost at once
         )
 
     def select_path(self, dst: int) -> int | None:
@@ -711,6 +721,14 @@ class ArkCore:
         """Local flows: flow -> (dst, path, port, reserved)."""
         self._settle()
         return {f: (o.dst, o.path, o.port, o.reserved) for f, o in self._own.items()}
+
+    def local_flow(self, flow: FlowId) -> tuple[int, int, int, bool]:
+        """One local flow's (dst, path, port, reserved), as :meth:`local_flows` has it."""
+        self._settle()
+        o = self._own.get(flow)
+        if o is None:
+            raise CoreError(f"flow: {flow} is not an active local flow")
+        return o.dst, o.path, o.port, o.reserved
 
     def _bucket(self, dst: int, dport: int) -> PortBuckets:
         key = (dst, dport)

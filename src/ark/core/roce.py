@@ -52,7 +52,7 @@ def flow_label_for_sport(port: int) -> int | None:
     0xC000 would need label 0, which means "derive the port from the QP numbers", so it
     takes 0x4001 instead: top bits 000001 fold onto low bits 1, giving 0.
     """
-    if not is_roce_sport(port):
+    if not ROCE_SPORT_MIN <= port <= ROCE_SPORT_MAX:  # is_roce_sport, inline: once per lease
         return None
     fl = port & 0x3FFF
     return fl if fl else 0x4001

@@ -653,11 +653,16 @@ class ReservationTable:
                 expired.append(flow)
         while self._expiry_heap and self._expiry_heap[0][0] <= upto:
             heapq.heappop(self._expiry_heap)  # handled above through the end heap
+        self.forget_ended(now)
+        return expired
+
+    def forget_ended(self, now: float) -> None:
+        """Forget now what ended more than ``retention_s`` ago (what :meth:`tick` forgets):
+        an entry past that waits only for the bookkeeping grid, and nobody needs it."""
         horizon = now - self.retention_s
         if horizon > self._horizon:
             self._horizon = horizon
             self._forget(horizon)
-        return expired
 
     def _forget(self, horizon: float) -> None:
         heap = self._purge_heap
