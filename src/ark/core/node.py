@@ -584,11 +584,13 @@ class Node:
                 # A clock this far off is what the clock watch is there to judge: take the
                 # sample (and the round trip it may close), nothing else.
                 self.clock.hello(peer, now, sent_at, echoes, self.host)
+                self._judge_clock_of(peer)
             return []
         out = self._contact(peer, st, env, now)
         if out is None:
             return []
         self.clock.hello(peer, now, sent_at, echoes, self.host)
+        self._judge_clock_of(peer)
         st.last_seq = max(st.last_seq, env.seq)
         if env.seq > st.have and st.synced:
             self.counters.gaps += 1
@@ -604,6 +606,13 @@ class Node:
             self.counters.digest_mismatches += 1
             out.extend(self._request_sync(peer, now))
         return out
+
+    def _judge_clock_of(self, peer: int) -> None:
+        """Judge the peer's lease times by our own measurement of its clock: compared with
+        another owner's, its reservations hold until they have surely ended on its clock,
+        however far it runs behind and whatever our other peers say of it
+        (:meth:`ClockWatch.behind`, within the window a timestamp may be in)."""
+        self.core.set_clock(peer, self.clock.behind(peer, self.window_s), self.limits.max_clock_offset_s)
 
     def _on_data(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
         out = self._contact(peer, st, env, now)
