@@ -30,6 +30,12 @@ Receivers also judge a peer's reservations by their own measurement of that peer
 bound of the majority and up to twice the bound apart), so a skewed host's reservations
 are refused where they land, whatever that host believes. With two hosts there is no majority of one: both stop, which
 is safe.
+
+Lease times are judged without a vote: :meth:`ClockWatch.behind` is how far a peer's clock
+runs behind ours by our own measurement, rounded to the bound (0 within it), and a replica
+holds a reservation against a later one of another owner until its stated end plus how
+far its owner runs behind that owner (:meth:`ark.core.table.ReservationTable.set_clock`),
+so a skewed owner's flows end no earlier than they really do, whoever vouches for it.
 """
 
 from __future__ import annotations
