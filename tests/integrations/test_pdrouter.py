@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import http.client
 import json
+import logging
+import os
 import resource
 import signal
 import socket
@@ -413,3 +415,32 @@ def test_under_a_small_descriptor_limit_the_cap_refuses_and_the_log_stays_bounde
     assert answers[-1][0] == 200, answers[-5:]
     assert "Traceback" not in text and "accept failed" not in text and len(text) < 4096, text[:2000]
     assert "connection refused" in text
+
+
+def test_accept_out_of_descriptors_is_counted_and_logged_once_then_resumes(caplog: pytest.LogCaptureFixture) -> None:
+    # Another part of the process has taken every descriptor: accept() fails with EMFILE.
+    # The listener pauses and retries; the log gets one line, not one traceback per try.
+    pre, dec = [StandIn("p0")], [StandIn("d0")]
+    clients = ("import socket, sys, time\ntime.sleep(0.5)\n"
+               "s = [socket.create_connection(('127.0.0.1', int(sys.argv[1]))) for _ in range(20)]\ntime.sleep(2.5)\n")
+
+    async def test(url: str, router: Router) -> None:
+        port = url.rsplit(":", 1)[1]
+        child = subprocess.Popen([sys.executable, "-c", clients, port])
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")), hard))
+        try:
+            await asyncio.sleep(2.0)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert router.counters.accept_errors >= 2  # it kept retrying ...
+        await asyncio.sleep(0.5)
+        assert router.counters.connections >= 1  # ... and took the waiting ones once it could
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json={"prompt": "x"}) as r:
+            assert r.status == 200
+        await asyncio.get_running_loop().run_in_executor(None, child.wait, 10)
+
+    with caplog.at_level(logging.WARNING, logger="ark.pdrouter"):
+        asyncio.run(_with_router({"prefill": pre, "decode": dec}, test))
+    lines = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
+    assert len(lines) == 1 and "EMFILE" in lines[0] and not any(r.exc_info for r in caplog.records), lines
