@@ -569,7 +569,7 @@ class ReservationTable:
             fast = False
         self._push_end(entry)
         if pinned:
-            if (entry.released is None or entry.late) and entry.end > self._expired_upto:
+            if entry.released is None and entry.end > self._expired_upto:
                 self._hold(msg.flow, self.links(msg, msg.path))
             if not fast:
                 self._defer(key)  # later keys may now be decided otherwise
@@ -606,11 +606,10 @@ class ReservationTable:
         new_end = entry.end
         self._push_end(entry)
         # Invariant of the fast insert path: every released entry is out of the holders
-        # index and its end is <= _max_released. (An owner whose clock runs behind ours:
-        # its released reservation holds for our own requests until its end here; the
-        # fast path is off while any clock is judged off.)
+        # index and its end is <= _max_released. (A RELEASE that arrived proves the flow
+        # over, whatever its owner's clock: for our own requests it is gone at once.)
         self._max_released = max(self._max_released, new_end)
-        if entry.held and (not entry.late or new_end <= self._expired_upto):
+        if entry.held:
             self._unhold(msg.flow, self.links(entry.msg, entry.path))  # type: ignore[arg-type]
         # With clocks judged off, later reservations compare with the stated end first.
         since = min(new_end, entry.stated_end) if entry.late_any else new_end
@@ -686,7 +685,7 @@ class ReservationTable:
         self._live = {f for f, e in self._entries.items() if e.end > upto}
         for f, e in self._entries.items():
             e.held = False
-            if e.path is not None and (e.released is None or e.late) and e.end > upto:
+            if e.path is not None and e.released is None and e.end > upto:
                 self._hold(f, self.links(e.msg, e.path))
         return EVERY_FLOW
 
@@ -721,7 +720,7 @@ class ReservationTable:
             f = e.msg.flow
             if e.held:
                 self._unhold(f, self.links(e.msg, old_path))  # type: ignore[arg-type]
-            if e.path is not None and (e.released is None or e.late) and e.end > upto:
+            if e.path is not None and e.released is None and e.end > upto:
                 self._hold(f, self.links(e.msg, e.path))
             out.append(f)
         return out
