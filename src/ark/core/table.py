@@ -775,11 +775,18 @@ class ReservationTable:
             self._digest_dirty.add(flow)
             i = bisect_left(self._keys, e.msg.key)
             del self._keys[i]
-            # Later reservations that started while this one was active (for anyone:
-            # its sweep end) keep the assignment it helped decide.
-            keys, until = self._keys, max(end, e.sweep_end)
-            while i < len(keys) and keys[i][0] < until:
-                self._entries[(keys[i][1], keys[i][2])].frozen = True
+            # Later reservations that started while this one was active (for their owner:
+            # see lag) keep the assignment it helped decide.
+            keys = self._keys
+            if not e.late_any:
+                while i < len(keys) and keys[i][0] < end:
+                    self._entries[(keys[i][1], keys[i][2])].frozen = True
+                    i += 1
+                continue
+            stated, owner = e.stated_end, flow[0]
+            while i < len(keys) and keys[i][0] < e.sweep_end:
+                if keys[i][0] < stated + self.lag(owner, keys[i][1]):
+                    self._entries[(keys[i][1], keys[i][2])].frozen = True
                 i += 1
         heap = self._early_heap
         while heap and heap[0][0] < horizon:
@@ -1120,12 +1127,14 @@ class ReservationTable:
     def _evaluate(self, keys: Sequence[Key], sweep: _Sweep) -> list[tuple[Entry, int | None]]:
         """Rules 1-3 for ``keys`` in order; returns (entry, old path) of those that moved."""
         changed: list[tuple[Entry, int | None]] = []
+        held = sweep.held
+        plain = lambda lk: held.get(lk, 0) > 0  # noqa: E731  (every clock within the bound)
         for key in keys:
             e = self._entries[(key[1], key[2])]
             sweep.retire_until(key[0])
             if not e.frozen:
                 old = (e.path, e.shared)
-                e.path, e.shared = self.assign(e.msg, sweep.held_for(key))
+                e.path, e.shared = self.assign(e.msg, sweep.held_for(key) if sweep.grace else plain)
                 if (e.path, e.shared) != old:
                     changed.append((e, old[0]))
             if e.path is not None:
