@@ -302,23 +302,25 @@ def test_a_skewed_owner_vouched_for_by_a_liar_never_shares_a_path_with_its_leaf_
     net.start()
     net.run(0.6, 3.0)
     assert not net.nodes[skewed].skewed and not net.nodes[mate].clock.trusted(3.0)
-    doubles, moved, t = 0, 0, 3.0
-    for k in range(64):
-        # Even rounds: the skewed host reserves first. Odd rounds: its leaf-mate does, and
-        # the skewed host's reservation 0.3 s later carries a timestamp 0.7 s earlier, so it
-        # wins the race on every replica and the leaf-mate's flow moves.
-        first, second = (skewed, mate) if k % 2 == 0 else (mate, skewed)
+    # 64 rounds: the skewed host reserves, its leaf-mate 0.65 s later (while the first flow
+    # still runs; read on one clock, its 1 s lease has ended). Then 32 rounds the other way
+    # round: the skewed host's reservation 0.3 s after its leaf-mate's carries a timestamp
+    # 0.7 s earlier, wins the race on every replica, and the leaf-mate's flow moves.
+    doubles, moved, t = [0, 0], 0, 3.0
+    for k in range(96):
+        first, second, gap = (skewed, mate, 0.65) if k < 64 else (mate, skewed, 0.3)
         a, outs = net.nodes[first].reserve(9, 10**6, t + net.skew.get(first, 0.0))
         net.emit(first, outs, t)
-        net.run(t + 0.05, t + 0.25)
-        b, outs = net.nodes[second].reserve(9, 10**6, t + 0.3 + net.skew.get(second, 0.0))
-        net.emit(second, outs, t + 0.3)
-        net.run(t + 0.35, t + 0.8)
-        doubles += bool(net.live_paths(skewed) & net.live_paths(mate))
-        moved += net.nodes[mate].lease_of((a if first == mate else b).flow_id).path != (a if first == mate else b).path
+        net.run(t + 0.05, t + gap - 0.05)
+        b, outs = net.nodes[second].reserve(9, 10**6, t + gap + net.skew.get(second, 0.0))
+        net.emit(second, outs, t + gap)
+        net.run(t + gap + 0.05, t + 0.8)
+        doubles[k >= 64] += bool(net.live_paths(skewed) & net.live_paths(mate))
+        mine = a if first == mate else b
+        moved += net.nodes[mate].lease_of(mine.flow_id).path != mine.path
         for h, lease in ((first, a), (second, b)):
             net.emit(h, net.nodes[h].release(lease.flow_id, t + 0.85 + net.skew.get(h, 0.0)), t + 0.85)
         net.run(t + 0.9, t + 1.5)
         t += 1.5
-    assert doubles == 0 and moved == 32
+    assert doubles == [0, 0] and moved == 32
     assert net.nodes[mate].core.behind(skewed) == pytest.approx(1.0) and net.nodes[skewed].core.behind(mate) == pytest.approx(-1.0)
