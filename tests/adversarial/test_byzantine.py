@@ -19,7 +19,7 @@ from ark.core.messages import Reserve, decode
 from ark.core.node import Node, Publish
 from ark.core.pathmap import PathMapCache
 from ark.core.topology import preset
-from tests.liars import add_to_sync_reply, sign, verify
+from tests.liars import add_to_sync_reply, shift_clock, sign, verify
 
 FAB = preset("paper")  # leaf 0: hosts 0-7, leaf 1: hosts 8-15; 4 spines
 MAPS = PathMapCache(FAB)
@@ -248,3 +248,79 @@ def test_a_liar_cannot_move_its_own_old_flow_onto_another_hosts_path() -> None:
             assert n.core.table(at=t)[mine.flow_id][0] == mine.path and n.counters.frozen_conflicts >= 2
     assert net.nodes[0].lease_of(victim.flow_id).path == victim.path
     net.check_honest(t)
+
+
+class SkewNet(ByzNet):
+    """ByzNet where host h's clock reads the true time plus ``skew[h]``."""
+
+    def __init__(self, hosts: list[int], skew: dict[int, float]) -> None:
+        self.skew = skew
+        super().__init__(hosts=hosts)
+
+    def emit(self, src: int, outs, now: float) -> None:  # ``now``: the true time
+        queue = [(src, o) for o in outs]
+        while queue:
+            s, o = queue.pop(0)
+            for d in [h for h in self.nodes if h != s] if isinstance(o, Publish) else [o.peer]:
+                if d in self.down:
+                    continue
+                data = self.rewrite(s, d, o.data) if s == LIAR else o.data
+                queue.extend((d, r) for r in self.nodes[d].on_message(s, data, now + self.skew.get(d, 0.0)))
+        for n in self.nodes.values():
+            n.flush()
+
+    def start(self, now: float = 0.0) -> None:
+        for h, n in self.nodes.items():
+            if h not in self.down:
+                self.emit(h, n.start(now + self.skew.get(h, 0.0)), now)
+        self.run(now, now + 0.6)
+
+    def run(self, t0: float, t1: float, step: float = 0.05) -> None:
+        t = t0
+        while t <= t1:
+            for h, n in self.nodes.items():
+                if h not in self.down:
+                    self.emit(h, n.tick(t + self.skew.get(h, 0.0)), t)
+            t += step
+
+    def live_paths(self, h: int) -> set[int]:
+        """The paths host h's reserved flows are on now, as h itself sees them (where its
+        packets go)."""
+        return {path for _dst, path, _port, reserved in self.nodes[h].core.local_flows().values() if reserved}
+
+
+def test_a_skewed_owner_vouched_for_by_a_liar_never_shares_a_path_with_its_leaf_mate() -> None:
+    # Four hosts, one down (8). Host 0's clock is 1 s behind; host 1, its leaf-mate, is
+    # honest; the liar tells host 0 its clock is 1 s behind too, so host 0 (one of its two
+    # fresh peers ahead of it) is not fenced, and host 1 (one of two peers within the bound)
+    # does not judge others' clocks. Host 1 must still see host 0's flows for as long as
+    # they really last: it judges their ends by its own measurement of host 0's clock.
+    skewed, mate = 0, 1
+    net = SkewNet([skewed, mate, LIAR, 8], {skewed: -1.0})
+    net.down = {8}
+    net.rewrite = lambda src, dst, data: shift_clock(data, -1.0) if dst == skewed else data
+    net.start()
+    net.run(0.6, 3.0)
+    assert not net.nodes[skewed].skewed and not net.nodes[mate].clock.trusted(3.0)
+    # 64 rounds: the skewed host reserves, its leaf-mate 0.65 s later (while the first flow
+    # still runs; read on one clock, its 1 s lease has ended). Then 32 rounds the other way
+    # round: the skewed host's reservation 0.3 s after its leaf-mate's carries a timestamp
+    # 0.7 s earlier, wins the race on every replica, and the leaf-mate's flow moves.
+    doubles, moved, t = [0, 0], 0, 3.0
+    for k in range(96):
+        first, second, gap = (skewed, mate, 0.65) if k < 64 else (mate, skewed, 0.3)
+        a, outs = net.nodes[first].reserve(9, 10**6, t + net.skew.get(first, 0.0))
+        net.emit(first, outs, t)
+        net.run(t + 0.05, t + gap - 0.05)
+        b, outs = net.nodes[second].reserve(9, 10**6, t + gap + net.skew.get(second, 0.0))
+        net.emit(second, outs, t + gap)
+        net.run(t + gap + 0.05, t + 0.8)
+        doubles[k >= 64] += bool(net.live_paths(skewed) & net.live_paths(mate))
+        mine = a if first == mate else b
+        moved += net.nodes[mate].lease_of(mine.flow_id).path != mine.path
+        for h, lease in ((first, a), (second, b)):
+            net.emit(h, net.nodes[h].release(lease.flow_id, t + 0.85 + net.skew.get(h, 0.0)), t + 0.85)
+        net.run(t + 0.9, t + 1.5)
+        t += 1.5
+    assert doubles == [0, 0] and moved == 32
+    assert net.nodes[mate].core.behind(skewed) == pytest.approx(1.0) and net.nodes[skewed].core.behind(mate) == pytest.approx(-1.0)

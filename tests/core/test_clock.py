@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from ark.core.clock import ClockWatch
 from ark.core.lease import LeasePolicy
+from ark.core.messages import Release, Reserve
 from ark.core.node import Node, NodeLimits, Publish
 from ark.core.pathmap import PathMapCache
+from ark.core.table import ReservationTable
 from ark.core.topology import preset
 from tests.liars import shift_clock
 
@@ -254,3 +258,76 @@ def test_the_fence_holds_in_a_cluster_larger_than_the_echo_rotation() -> None:
             trusted.append(watches[1].trusted(t + 0.01))
     assert all(v is not None and v[0] for v in verdicts) and all(trusted)
     assert watches[1].verdict(t + 0.01) == (False, "") and watches[1].behind_us() == [] and watches[1].ahead_of_us() == [0]
+
+
+@pytest.mark.parametrize(("offset", "behind"), [(0.05, 0.0), (-0.05, 0.0), (1.0, -1.0), (-1.0, 1.0), (-0.33, 0.3),
+                                                (-30.0, 5.0)])
+def test_each_host_measures_how_far_a_peer_runs_behind_it_rounded_to_the_bound(offset: float, behind: float) -> None:
+    net = started({8: offset})
+    net.run(4 * HB)
+    assert net.nodes[1].clock.behind(8, cap=5.0) == pytest.approx(behind)
+    # The peer measures the same figure the other way round (the round trip is shared).
+    assert net.nodes[8].clock.behind(1, cap=5.0) == pytest.approx(-behind)
+    assert net.nodes[1].core.behind(8) == pytest.approx(max(-net.nodes[1].window_s, min(net.nodes[1].window_s, behind)))
+
+
+def _res(owner: int, seq: int, ts: float, expires: float, path: int = 0) -> Reserve:
+    return Reserve((owner, seq), ts, owner, 9, 4791, path, 50000 + seq, 10**6, 1e11, expires=expires)
+
+
+def _tables(*msgs: Reserve) -> tuple[ReservationTable, ReservationTable]:
+    """(a replica that measured host 0's clock 1 s behind its own, one that did not)."""
+    judged, plain = ReservationTable(FAB, retention_s=30.0), ReservationTable(FAB, retention_s=30.0)
+    judged.set_clock(0, 1.0, margin=0.1)
+    for t in (judged, plain):
+        for m in msgs:
+            t.receive(m)
+    return judged, plain
+
+
+def _paths(t: ReservationTable) -> dict[tuple[int, int], int | None]:
+    return {f: e[2] for f, e in t.entries().items()}
+
+
+def test_an_owner_behind_holds_its_path_against_others_until_its_flow_really_ends_and_follows_itself() -> None:
+    # Hosts 0 and 1 share leaf 0's uplinks. Host 0's clock runs 1 s behind this replica's:
+    # its flow stated to end at 11.0 really ends at 12.0 here (12.1 with the margin).
+    a = _res(0, 1, 10.0, 11.0)
+    other = _res(1, 1, 11.5, 20.0)  # host 1's next, on path 0
+    judged, plain = _tables(a, other)
+    assert _paths(judged) == {a.flow: 0, other.flow: 1}  # host 0's flow still holds: host 1's moves
+    assert _paths(plain) == {a.flow: 0, other.flow: 0}  # read on one clock: a double booking
+    assert judged.exclusive_conflicts(at=11.6) == [] and plain.exclusive_conflicts(at=11.6) == []
+    # Host 0's own next reservation follows its first as on host 0 (ended on its clock).
+    own = _res(0, 2, 11.5, 20.0)
+    judged, plain = _tables(a, own)
+    assert _paths(judged) == _paths(plain) == {a.flow: 0, own.flow: 0}
+    # What replicas compare stays the messages: digests and stated-end views agree.
+    assert judged.state_digest(0.0) == plain.state_digest(0.0)
+    assert judged.table(at=11.6) == plain.table(at=11.6)
+    # For this replica's own requests too: the lease runs out at 11.0 on host 0's clock,
+    # 12.1 here (and the expiry grace, 0.25 s, after). A RELEASE that arrives proves the
+    # flow over at once, whatever the clocks.
+    judged, _ = _tables(a)
+    judged.tick(12.3)
+    assert a.flow in set().union(*judged.link_holders().values())
+    judged.tick(12.4)
+    assert a.flow not in set().union(*judged.link_holders().values())
+    judged, _ = _tables(a)
+    judged.receive(Release(a.flow, 10.5))
+    assert judged.link_holders() == {} or a.flow not in set().union(*judged.link_holders().values())
+    # Measured within the bound again: the stated ends hold, as on every replica.
+    judged, _ = _tables(a, other)
+    judged.set_clock(0, 0.0, margin=0.1)
+    assert _paths(judged) == {a.flow: 0, other.flow: 0}
+
+
+def test_lag_is_the_difference_of_two_owners_offsets_plus_the_margin() -> None:
+    t = ReservationTable(FAB)
+    t.set_clock(3, 1.0, margin=0.1)  # host 3 runs 1 s behind this replica
+    t.set_clock(4, -0.5, margin=0.1)  # host 4 runs 0.5 s ahead of it
+    assert t.lag(3, 4) == pytest.approx(1.6) and t.lag(4, 3) == 0.0
+    assert t.lag(3, -1) == pytest.approx(1.1) and t.lag(-1, 4) == pytest.approx(0.6) and t.lag(5, 6) == 0.0
+    for bad in (math.nan, math.inf):
+        with pytest.raises(ValueError, match="behind"):
+            t.set_clock(3, bad)

@@ -118,7 +118,6 @@ def test_pd_through_the_router_matches_one_instance_and_every_push_is_steered(pd
     import asyncio
 
     import aiohttp
-    from aiohttp import web
 
     from ark.integrations.pdrouter import Router, load_config
 
@@ -128,10 +127,9 @@ def test_pd_through_the_router_matches_one_instance_and_every_push_is_steered(pd
                        "decode": [{"url": pd["decode"]}]})
 
     async def through_router() -> list[str]:
-        runner = web.AppRunner(Router(cfg).app())
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1/completions"
+        router = Router(cfg)
+        host, port = await router.start("127.0.0.1", 0)
+        url = f"http://{host}:{port}/v1/completions"
         try:
             async with aiohttp.ClientSession() as s:
                 texts = []
@@ -142,7 +140,7 @@ def test_pd_through_the_router_matches_one_instance_and_every_push_is_steered(pd
                         texts.append((await r.json())["choices"][0]["text"])
                 return texts
         finally:
-            await runner.cleanup()
+            await router.stop()
 
     pd_texts = asyncio.run(through_router())
     # The same prompts on one instance (the prefill one, computing everything itself).

@@ -30,6 +30,12 @@ Receivers also judge a peer's reservations by their own measurement of that peer
 bound of the majority and up to twice the bound apart), so a skewed host's reservations
 are refused where they land, whatever that host believes. With two hosts there is no majority of one: both stop, which
 is safe.
+
+Lease times are judged without a vote: :meth:`ClockWatch.behind` is how far a peer's clock
+runs behind ours by our own measurement, rounded to the bound (0 within it), and a replica
+holds a reservation against a later one of another owner until its stated end plus how
+far its owner runs behind that owner (:meth:`ark.core.table.ReservationTable.set_clock`),
+so a skewed owner's flows end no earlier than they really do, whoever vouches for it.
 """
 
 from __future__ import annotations
@@ -125,6 +131,21 @@ class ClockWatch:
             return False
         lo, hi = pc.bounds()
         return lo > factor * self.bound_s or hi < -factor * self.bound_s
+
+    def behind(self, peer: int, cap: float) -> float:
+        """How far the peer's clock runs behind ours, by our own measurement (negative:
+        ahead): 0 while it may be within the bound, else our estimate rounded to a multiple
+        of the bound and within ``cap`` either way. The rounding makes two hosts that
+        measured the same clock agree on the figure, unless it lies near half a step; a
+        receiver adds the bound again to any positive difference between two owners (see
+        :meth:`ark.core.table.ReservationTable.lag`), so a skewed owner's reservations hold
+        no shorter than they really last, whatever anyone votes."""
+        est = self.offset(peer)
+        if est is None or not math.isfinite(est) or abs(est) <= self.bound_s:
+            return 0.0
+        est = max(-cap, min(cap, est))
+        grain = self.bound_s if self.bound_s > 0 else 0.0
+        return max(-cap, min(cap, round(est / grain) * grain if grain else est))
 
     def offset(self, peer: int) -> float | None:
         """Our clock minus the peer's: the middle of the measured interval, or its one

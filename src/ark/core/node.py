@@ -264,6 +264,7 @@ class Node:
         self.alerts: deque[dict[str, Any]] = deque(maxlen=64)  # refused claims, one per reply part, for the log
         self._merging = 0  # reply parts merged (tells one part's alerts from the next's)
         self._skew_refused: dict[FlowId, None] = {}  # reservations refused for their owner's clock (bounded)
+        self._clock_judged: dict[int, float] = {}  # listed peer -> when its clock figure last changed here
         self._sigs_pruned = -math.inf
         self._started_at: float | None = None
         self._out_seq = 0
@@ -606,11 +607,13 @@ class Node:
                 # A clock this far off is what the clock watch is there to judge: take the
                 # sample (and the round trip it may close), nothing else.
                 self.clock.hello(peer, now, sent_at, echoes, self.host)
+                self._judge_clock_of(peer, now)
             return []
         out = self._contact(peer, st, env, now)
         if out is None:
             return []
         self.clock.hello(peer, now, sent_at, echoes, self.host)
+        self._judge_clock_of(peer, now)
         st.last_seq = max(st.last_seq, env.seq)
         if env.seq > st.have and st.synced:
             self.counters.gaps += 1
@@ -626,6 +629,19 @@ class Node:
             self.counters.digest_mismatches += 1
             out.extend(self._request_sync(peer, now))
         return out
+
+    def _judge_clock_of(self, peer: int, now: float) -> None:
+        """Judge the peer's lease times by our own measurement of its clock: compared with
+        another owner's, its reservations hold until they have surely ended on its clock,
+        however far it runs behind and whatever our other peers say of it
+        (:meth:`ClockWatch.behind`, within the window a timestamp may be in). A change
+        recomputes the table, so a peer's figure changes at most once per heartbeat
+        interval (a peer whose clock readings jump about cannot make every HELLO cost one)."""
+        behind = self.clock.behind(peer, self.window_s)
+        if behind == self.core.behind(peer) or 0 <= now - self._clock_judged.get(peer, -math.inf) < self.heartbeat_s:
+            return
+        self._clock_judged[peer] = now
+        self.core.set_clock(peer, behind, self.limits.max_clock_offset_s)
 
     def _on_data(self, peer: int, st: PeerState, env: Envelope, now: float) -> list[Output]:
         out = self._contact(peer, st, env, now)

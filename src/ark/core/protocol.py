@@ -673,6 +673,16 @@ class ArkCore:
         """Does this replica keep anything about ``flow`` (a reservation, an early message)?"""
         return self._table.knows(flow)
 
+    def set_clock(self, owner: int, behind: float, margin: float) -> None:
+        """How far ``owner``'s clock runs behind ours, as we measured it (see
+        :meth:`ark.core.table.ReservationTable.set_clock`); our own is 0 by definition."""
+        if owner != self.host:
+            self._table.set_clock(owner, behind, margin)
+
+    def behind(self, owner: int) -> float:
+        """How far behind ours we judge ``owner``'s clock (0: within the bound)."""
+        return self._table.behind(owner)
+
     def end_of(self, flow: FlowId) -> float | None:
         """The end of a known reservation (min of release and lease expiry)."""
         return self._table.end_of(flow)

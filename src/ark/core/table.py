@@ -7,6 +7,15 @@ local flows, their ports and the decisions they get live in
 operations return the flows whose assignment may have changed, so that whoever owns those
 flows can bring them in line; several cores can therefore share one table when their
 message sets are equal (the simulator's hosts, see :class:`ArkCore` ``table=``).
+
+One input is the replica's own: how far behind its clock it measured each owner's clock
+(:meth:`ReservationTable.set_clock`, zero while the owner is within the clock bound). A
+reservation of owner Y, compared with a later one of owner X, holds until its stated end
+plus how far Y's clock runs behind X's (by this replica's measurements of both): the two
+owners' times then compare as their true instants do, so a skewed owner's flows end no
+earlier than they really do, and the skewed owner, measuring the others itself, judges
+the same pairs alike. Digests compare the stated ends, so replicas that measured a clock a
+little differently still agree on the message set.
 """
 
 from __future__ import annotations
@@ -134,9 +143,27 @@ class Entry:
     # Frozen: an overlapping reservation has been forgotten, so recomputing this one
     # could give another answer than the one every replica already agreed on.
     frozen: bool = False
+    # How much longer than its stated end the reservation holds links for this replica's
+    # own requests (its owner's clock runs that far behind ours), and the most it holds
+    # against any owner's (ReservationTable.set_clock): both 0 unless a clock is off.
+    late: float = 0.0
+    late_any: float = 0.0
 
     @property
     def end(self) -> float:
+        """When the reservation stops holding links here: its stated end, plus ``late``."""
+        r = self.released
+        return (self.expires if r is None or r > self.expires else r) + self.late
+
+    @property
+    def sweep_end(self) -> float:
+        """The latest it holds against any owner's reservation: stated end plus ``late_any``."""
+        r = self.released
+        return (self.expires if r is None or r > self.expires else r) + self.late_any
+
+    @property
+    def stated_end(self) -> float:
+        """The end its owner's messages state (min of release and lease expiry)."""
         r = self.released
         return self.expires if r is None or r > self.expires else r
 
@@ -178,20 +205,29 @@ class _StageIndex:
 
 
 class _Sweep:
-    """Links held by earlier reservations, as a sweep moves forward in key order."""
+    """Links held by earlier reservations, as a sweep moves forward in key order.
 
-    __slots__ = ("active", "held", "retire")
+    A reservation whose owner's clock runs behind another's (``Entry.late_any``) holds until
+    its ``sweep_end`` (the latest it may hold for anyone), but for a later reservation of owner
+    X only until its stated end plus how far its owner runs behind X (``lag``): its own
+    owner's reservations follow one another as on the owner (``grace``: those in between)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("active", "grace", "held", "lag", "retire")
+
+    def __init__(self, lag: Callable[[int, int], float] | None = None) -> None:
         self.held: dict[int, int] = {}
         self.retire: list[tuple[float, Key]] = []
         self.active: dict[Key, tuple[int, ...]] = {}
+        self.grace: dict[Key, float] = {}  # key -> the end its owner stated, when earlier
+        self.lag = lag
 
-    def add(self, key: Key, links: tuple[int, ...], end: float) -> None:
+    def add(self, key: Key, links: tuple[int, ...], entry: Entry) -> None:
         for lk in links:
             self.held[lk] = self.held.get(lk, 0) + 1
         self.active[key] = links
-        heapq.heappush(self.retire, (end, key))
+        heapq.heappush(self.retire, (entry.sweep_end, key))
+        if entry.late_any:
+            self.grace[key] = entry.stated_end
 
     def retire_until(self, ts: float) -> None:
         """Forget reservations that ended at or before ``ts``."""
@@ -200,6 +236,20 @@ class _Sweep:
             _, k = heapq.heappop(retire)
             for lk in self.active.pop(k):
                 self.held[lk] -= 1
+            if self.grace:
+                self.grace.pop(k, None)
+
+    def held_for(self, key: Key) -> Callable[[int], bool]:
+        """Is a link held at ``key``'s instant, for the reservation with that key?"""
+        held = self.held
+        if not self.grace or self.lag is None:
+            return lambda lk: held.get(lk, 0) > 0
+        own: dict[int, int] = {}
+        for k, stated in self.grace.items():
+            if stated + self.lag(k[1], key[1]) <= key[0]:
+                for lk in self.active[k]:
+                    own[lk] = own.get(lk, 0) + 1
+        return lambda lk: held.get(lk, 0) - own.get(lk, 0) > 0
 
 
 class ReservationTable:
@@ -282,6 +332,10 @@ class ReservationTable:
         self._handlers: dict[type, Callable[[Any], Changed]] = {
             Reserve: self._receive_reserve, Release: self.on_release, Renew: self.on_renew,
         }
+        # Per owner host: how far behind this replica's its clock runs (set_clock; < 0:
+        # ahead), and the margin added to a positive difference between two of them.
+        self._behind: dict[int, float] = {}
+        self._clock_margin = 0.0
 
     # ------------------------------------------------------------------ lookups
     def get(self, flow: FlowId) -> Entry | None:
@@ -310,6 +364,51 @@ class ReservationTable:
             busy |= masks[sid]
         free = ~busy & ((1 << n) - 1) & usable
         return (free & -free).bit_length() - 1 if free else None
+
+    # ------------------------------------------------------------------ owners' clocks
+    def set_clock(self, owner: int, behind: float, margin: float = 0.0) -> None:
+        """``owner``'s clock runs ``behind`` seconds behind this replica's (negative: ahead),
+        as this replica measured it; 0 while it is within the clock bound. A reservation of
+        Y compared with a later one of X then holds until its stated end plus
+        :meth:`lag` (Y, X). A change recomputes the table (it is rare: the caller rounds)."""
+        if not (math.isfinite(behind) and math.isfinite(margin) and margin >= 0.0):
+            raise ValueError(f"behind: expected finite numbers; got {behind!r} (margin {margin!r})")
+        if behind == self._behind.get(owner, 0.0) and (margin == self._clock_margin or not self._behind):
+            return
+        if behind:
+            self._behind[owner] = behind
+        else:
+            self._behind.pop(owner, None)
+        self._clock_margin = margin
+        for e in self._entries.values():
+            owner = e.msg.flow[0]
+            late, late_any = self.lag(owner, -1), self._late_of(owner)
+            if (late, late_any) != (e.late, e.late_any):
+                e.late, e.late_any = late, late_any
+                self._push_end(e)
+        if self._entries:
+            self._defer(_EVERYTHING)  # any pair's lag may have changed
+
+    def behind(self, owner: int) -> float:
+        """What :meth:`set_clock` last set for ``owner`` (0: within the bound)."""
+        return self._behind.get(owner, 0.0)
+
+    def lag(self, y: int, x: int) -> float:
+        """How much longer than its stated end a reservation of owner ``y`` holds against a
+        later one of owner ``x``: how far ``y``'s clock runs behind ``x``'s, plus the margin
+        (0 when it does not run behind; this replica's own clock, and ``x = -1``, count as
+        0: ``lag(y, -1)`` is how long it holds for this replica's own requests)."""
+        b = self._behind
+        d = b.get(y, 0.0) - b.get(x, 0.0)
+        return d + self._clock_margin if d > 0 else 0.0
+
+    def _late_of(self, owner: int) -> float:
+        """The most ``lag(owner, x)`` can be, over every owner x (this replica included)."""
+        b = self._behind
+        if not b:
+            return 0.0
+        d = b.get(owner, 0.0) - min(0.0, min(b.values()))
+        return d + self._clock_margin if d > 0 else 0.0
 
     # ------------------------------------------------------------------ messages
     def receive(self, msg: Message) -> Changed:
@@ -443,6 +542,8 @@ class ReservationTable:
         ``pinned``: it holds ``msg.path`` (shared as ``msg.shared``) whatever else this
         table holds, and no recomputation moves it (someone else decided it: an arbiter)."""
         entry = Entry(msg, None, None, False, msg.expires)  # positional: the hottest constructor
+        if self._behind:
+            entry.late, entry.late_any = self.lag(msg.flow[0], -1), self._late_of(msg.flow[0])
         if pinned:
             entry.path, entry.shared, entry.frozen = msg.path, msg.shared, True
         key = msg.key
@@ -450,6 +551,7 @@ class ReservationTable:
         # after msg.ts": no larger key exists and nothing ended early after msg.ts.
         fast = (
             self._deferred is None
+            and not self._behind  # pairs of owners then compare their own way (_Sweep)
             and (not self._keys or key > self._keys[-1])
             and msg.ts >= self._max_released
             and msg.ts >= self._expired_upto
@@ -507,23 +609,26 @@ class ReservationTable:
 
     def apply_release(self, msg: Release) -> Changed:
         entry = self._entries[msg.flow]
-        old_end = entry.end
+        old_end, old_stated = entry.end, entry.stated_end
         entry.released = msg.ts
         new_end = entry.end
         self._push_end(entry)
         # Invariant of the fast insert path: every released entry is out of the holders
-        # index and its end is <= _max_released.
+        # index and its end is <= _max_released. (A RELEASE that arrived proves the flow
+        # over, whatever its owner's clock: for our own requests it is gone at once.)
         self._max_released = max(self._max_released, new_end)
         if entry.held:
             self._unhold(msg.flow, self.links(entry.msg, entry.path))  # type: ignore[arg-type]
-        if new_end != old_end and self._later_start_at_or_after(entry, new_end):
+        # With clocks judged off, later reservations compare with the stated end first.
+        since = min(new_end, entry.stated_end) if entry.late_any else new_end
+        if (new_end != old_end or entry.stated_end != old_stated) and self._later_start_at_or_after(entry, since):
             # Someone reserved at or after this release instant: their evaluation
             # may change now that this flow is known to be gone by then.
-            self._defer((new_end, -1, -1))
+            self._defer((since, -1, -1))
         return []
 
     def apply_renew(self, entry: Entry, msg: Renew) -> Changed:
-        old_end = entry.end
+        old_end, old_stated = entry.end, entry.stated_end
         entry.expires, entry.renew_ts = msg.expires, msg.ts
         self.counters.renewals += 1
         new_end = entry.end
@@ -536,8 +641,10 @@ class ReservationTable:
         if lapsed:
             # It holds again: only a full recomputation rebuilds the holders index for it.
             self._defer(_EVERYTHING)
-        elif self._later_start_at_or_after(entry, old_end):
-            self._defer((old_end, -1, -1))
+        else:
+            since = min(old_end, old_stated) if entry.late_any else old_end
+            if self._later_start_at_or_after(entry, since):
+                self._defer((since, -1, -1))
         return []
 
     def _defer(self, start: Key) -> None:
@@ -576,7 +683,7 @@ class ReservationTable:
     def recompute(self) -> Changed:
         """Evaluate every reservation again and rebuild the holders index."""
         self.counters.recomputes += 1
-        self._evaluate(self._keys, _Sweep())
+        self._evaluate(self._keys, self._sweep())
         # Rebuild the holders index and masks from scratch.
         self._holders = {}
         self._backlog = {}
@@ -609,13 +716,14 @@ class ReservationTable:
             return []
         self.counters.partial_recomputes += 1
         k0 = keys[i]
-        sweep = _Sweep()
+        sweep = self._sweep()
         # Entries still active at t0: all in _live when t0 is after the expiry horizon,
         # else found by one scan (cheap: no assignment is evaluated for them).
-        for f in self._live if t0 >= self._expired_upto else entries:
+        # (With an owner's clock judged off, one may hold past its end here against others.)
+        for f in self._live if t0 >= self._expired_upto and not self._behind else entries:
             e = entries[f]
-            if e.path is not None and e.msg.key < k0 and e.end > t0:
-                sweep.add(e.msg.key, self.links(e.msg, e.path), e.end)
+            if e.path is not None and e.msg.key < k0 and e.sweep_end > t0:
+                sweep.add(e.msg.key, self.links(e.msg, e.path), e)
         changed = self._evaluate(keys[i:], sweep)
         upto = self._expired_upto
         out: list[FlowId] = []
@@ -683,11 +791,18 @@ class ReservationTable:
             self._digest_dirty.add(flow)
             i = bisect_left(self._keys, e.msg.key)
             del self._keys[i]
-            # Later reservations that started while this one was active keep the
-            # assignment it helped decide.
+            # Later reservations that started while this one was active (for their owner:
+            # see lag) keep the assignment it helped decide.
             keys = self._keys
-            while i < len(keys) and keys[i][0] < end:
-                self._entries[(keys[i][1], keys[i][2])].frozen = True
+            if not e.late_any:
+                while i < len(keys) and keys[i][0] < end:
+                    self._entries[(keys[i][1], keys[i][2])].frozen = True
+                    i += 1
+                continue
+            stated, owner = e.stated_end, flow[0]
+            while i < len(keys) and keys[i][0] < e.sweep_end:
+                if keys[i][0] < stated + self.lag(owner, keys[i][1]):
+                    self._entries[(keys[i][1], keys[i][2])].frozen = True
                 i += 1
         heap = self._early_heap
         while heap and heap[0][0] < horizon:
@@ -798,8 +913,10 @@ class ReservationTable:
         """Reservations holding links: flow -> (path, shared).
 
         ``at=None``: what this replica counts as held now (leases expire after the grace).
-        ``at=T``: exactly the reservations that hold links at instant ``T``, a pure function
-        of the messages held (for comparing replicas whose clocks differ).
+        ``at=T``: exactly the reservations that hold links at instant ``T`` by their stated
+        ends, a function of the messages held and the paths they got (for comparing
+        replicas whose clocks differ; what one replica holds past a stated end for an owner
+        it measured behind is its own judgement, see :meth:`set_clock`).
         """
         self.settle()
         if at is None:
@@ -807,7 +924,7 @@ class ReservationTable:
         return {
             f: (e.path, e.shared)
             for f, e in self._entries.items()
-            if e.path is not None and e.msg.ts <= at < e.end
+            if e.path is not None and e.msg.ts <= at < e.stated_end
         }
 
     def entries(self) -> dict[FlowId, tuple[Reserve, float | None, int | None, bool]]:
@@ -857,13 +974,28 @@ class ReservationTable:
     def exclusive_conflicts(self, at: float | None = None) -> list[int]:
         """Links held by two flows of which one claims them alone (must stay empty).
 
-        ``at``: judge the reservations active at that instant (see :meth:`table`).
+        ``at``: judge the reservations active at that instant (see :meth:`table`); two of
+        them conflict only while the earlier still holds for the later one's owner (see
+        :meth:`lag`).
         """
-        users: dict[int, list[bool]] = {}
-        for f, (path, shared) in self.table(at).items():
-            for lk in self.links(self._entries[f].msg, path):
-                users.setdefault(lk, []).append(shared)
-        return sorted(lk for lk, sh in users.items() if len(sh) > 1 and not all(sh))
+        self.settle()
+        users: dict[int, list[Entry]] = {}
+        for e in self._entries.values():
+            if e.path is not None and (e.held if at is None else e.msg.ts <= at < e.end):
+                for lk in self.links(e.msg, e.path):
+                    users.setdefault(lk, []).append(e)
+        return sorted(lk for lk, es in users.items() if len(es) > 1 and self._any_conflict(es, at))
+
+    def _any_conflict(self, es: list[Entry], at: float | None) -> bool:
+        for i, a in enumerate(es):
+            for b in es[i + 1:]:
+                if a.shared and b.shared:
+                    continue
+                first, later = (a, b) if a.msg.key < b.msg.key else (b, a)
+                if at is None or first.late_any == 0 or at < first.stated_end + self.lag(first.msg.flow[0],
+                                                                                         later.msg.flow[0]):
+                    return True
+        return False
 
     def stage_list(self, src: int, dst: int) -> tuple[tuple[int, ...], ...]:
         stages = self._stage_cache.get((src, dst))
@@ -965,7 +1097,7 @@ class ReservationTable:
         dirty, entries = self._digest_dirty, self._entries
         for f in dirty:
             e = entries.get(f)
-            self._digest_set(f, None if e is None else e.end)
+            self._digest_set(f, None if e is None else e.stated_end)
         dirty.clear()
 
     def _digest_set(self, flow: FlowId, end: float | None) -> None:
@@ -1019,20 +1151,24 @@ class ReservationTable:
         last = self._keys[-1]
         return last != entry.msg.key and last[0] >= t
 
+    def _sweep(self) -> _Sweep:
+        return _Sweep(self.lag if self._behind else None)
+
     def _evaluate(self, keys: Sequence[Key], sweep: _Sweep) -> list[tuple[Entry, int | None]]:
         """Rules 1-3 for ``keys`` in order; returns (entry, old path) of those that moved."""
         changed: list[tuple[Entry, int | None]] = []
         held = sweep.held
+        plain = lambda lk: held.get(lk, 0) > 0  # noqa: E731  (every clock within the bound)
         for key in keys:
             e = self._entries[(key[1], key[2])]
             sweep.retire_until(key[0])
             if not e.frozen:
                 old = (e.path, e.shared)
-                e.path, e.shared = self.assign(e.msg, lambda lk: held.get(lk, 0) > 0)
+                e.path, e.shared = self.assign(e.msg, sweep.held_for(key) if sweep.grace else plain)
                 if (e.path, e.shared) != old:
                     changed.append((e, old[0]))
             if e.path is not None:
-                sweep.add(key, self.links(e.msg, e.path), e.end)
+                sweep.add(key, self.links(e.msg, e.path), e)
         return changed
 
     def link_backlog(self, link: int, now: float) -> float:

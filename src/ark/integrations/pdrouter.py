@@ -453,7 +453,7 @@ class Router:
 _REFUSED = _canned(503, "Service Unavailable", "router: too many connections; retry later")
 
 
-def _gate_classes() -> type:
+def _handler_class() -> type:
     from aiohttp import web
 
     class Handler(web.RequestHandler):
@@ -500,7 +500,7 @@ class _Listener:
 
     def __init__(self, router: Router, server: Any, cap: int) -> None:
         self.router, self.server, self.cap = router, server, cap
-        self.handler_class = _gate_classes()
+        self.handler_class = _handler_class()
         self.sock: socket.socket | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
