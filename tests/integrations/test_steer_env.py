@@ -104,7 +104,8 @@ def test_other_destinations_and_an_engines_own_port_are_left_alone() -> None:
     ("127.0.0.1:0=ports:1", "dport: expected 1..65535"),
     ("127.0.0.1=ports:1,,2", "ports: expected 1..65535"),
     ("127.0.0.1=ports:70000", "ports: expected 1..65535"),
-    ("127.0.0.1=lease:/run/x", "source: expected ports:LIST"),
+    ("127.0.0.1=lease:run/x", "lease: expected an absolute socket path"),
+    ("127.0.0.1=bogus:1", "source: expected ports:LIST"),
     ("127.0.0.1=ports:1;127.0.0.1=ports:2", "a second rule for this destination"),
     (";", "no rule"),
 ])

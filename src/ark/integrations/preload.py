@@ -165,6 +165,8 @@ class _Lib:
         self.env_rule.restype, self.env_rule.argtypes = vp, [i]
         self.env_deferred = glob.ark_steer_env_deferred
         self.env_deferred.restype, self.env_deferred.argtypes = None, [ctypes.POINTER(ctypes.c_int)]
+        self.env_lease_stats = glob.ark_steer_env_lease_stats
+        self.env_lease_stats.restype, self.env_lease_stats.argtypes = None, [i, ctypes.POINTER(ctypes.c_int)]
 
 
 _lib: _Lib | None = None
@@ -339,14 +341,19 @@ class SteerRulesError(ValueError):
 class EnvRule:
     """A process-wide rule: connections to ``dst_ip`` (on ``dport``; 0: any port) from any
     thread without a rule of its own take the ports of ``paths`` in turn, one path per new
-    connection (path k: lane k), so that one peer pair's connections sit on distinct paths."""
+    connection (path k: lane k), so that one peer pair's connections sit on distinct paths;
+    or, with ``lease`` (the unix socket of a connection-lease holder,
+    :mod:`ark.integrations.connlease`), each takes the ports of a lease of its own."""
 
     dst_ip: str
-    paths: tuple[tuple[int, ...], ...]
+    paths: tuple[tuple[int, ...], ...] = ()
     dport: int = 0
+    lease: str = ""
 
     def text(self) -> str:
         dst = self.dst_ip if not self.dport else f"{self.dst_ip}:{self.dport}"
+        if self.lease:
+            return f"{dst}=lease:{self.lease}"
         return f"{dst}=ports:" + "/".join(",".join(str(p) for p in lane) for lane in self.paths)
 
 
@@ -358,6 +365,10 @@ def _check_rule(i: int, r: EnvRule) -> None:
         raise SteerRulesError(f"{where}: destination: expected an IPv4 address; got {r.dst_ip!r:.40}") from None
     if isinstance(r.dport, bool) or not isinstance(r.dport, int) or not 0 <= r.dport <= 0xFFFF:
         raise SteerRulesError(f"{where}: dport: expected 0..65535 (0: any); got {r.dport!r:.40}")
+    if r.lease:
+        if r.paths or not r.lease.startswith("/") or len(r.lease.encode()) >= 108 or any(c in r.lease for c in ";\n"):
+            raise SteerRulesError(f"{where}: lease: expected an absolute socket path under 108 bytes and no paths")
+        return
     if not r.paths or len(r.paths) > MAX_LANES or not all(r.paths):
         raise SteerRulesError(f"{where}: paths: expected 1..{MAX_LANES} non-empty port groups")
     ports = [p for lane in r.paths for p in lane]
@@ -392,7 +403,8 @@ class EnvStatus:
     error: str
     deferred: int
     deferred_steered: int
-    connections: tuple[tuple[Connection, ...], ...]
+    connections: tuple[tuple[Connection, ...], ...]  # empty for a lease rule
+    leases: tuple[tuple[int, int, int], ...]  # per rule: (asked, steered, fallback); zeros for a ports rule
 
 
 def env_status() -> EnvStatus:
@@ -401,10 +413,14 @@ def env_status() -> EnvStatus:
     n = int(lib.env_rules())
     out = (ctypes.c_int * 2)()
     lib.env_deferred(out)
-    conns = []
+    conns, leases = [], []
     buf = (ctypes.c_int32 * (3 * MAX_PORTS))()
+    three = (ctypes.c_int * 3)()
     for i in range(n):
-        got = lib.log(lib.env_rule(i), buf, MAX_PORTS)
+        handle = lib.env_rule(i)
+        got = lib.log(handle, buf, MAX_PORTS) if handle else 0
         conns.append(tuple(Connection(buf[3 * k], buf[3 * k + 1], None if buf[3 * k + 2] < 0 else bool(buf[3 * k + 2]))
                            for k in range(got)))
-    return EnvStatus(n, (lib.env_error() or b"").decode(), int(out[0]), int(out[1]), tuple(conns))
+        lib.env_lease_stats(i, three)
+        leases.append((int(three[0]), int(three[1]), int(three[2])))
+    return EnvStatus(n, (lib.env_error() or b"").decode(), int(out[0]), int(out[1]), tuple(conns), tuple(leases))

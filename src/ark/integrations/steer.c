@@ -28,7 +28,11 @@
  * NIXL): ARK_STEER_RULES, read once when the library loads, names destinations and the
  * source ports of each: "IP[:DPORT]=ports:P,P,.../P,P,...[;...]", each '/'-separated group
  * a lane (the ports of one path), so that the connections to one destination take the
- * lanes in turn and one peer pair's connections sit on distinct paths. They apply to every
+ * lanes in turn and one peer pair's connections sit on distinct paths; or
+ * "IP[:DPORT]=lease:/PATH": each new connection asks the connection-lease holder at that
+ * unix socket (ark.integrations.connlease) for the ports of a path leased for it alone,
+ * and tells it the port it took; the holder keeps the lease while the kernel lists the
+ * connection and releases it when it is gone (or idle). They apply to every
  * thread that has not entered a rule of its own. The variable is parsed all or nothing: any
  * error leaves no rule loaded and one line on stderr (ark_steer_env_error says it too).
  * An engine that binds its client socket to ifaddr:0 before connect() (UCX's
@@ -53,6 +57,8 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #define ARK_STEER_VERSION 3
@@ -301,9 +307,12 @@ static uint16_t steer_fd(struct ark_rule *r, int fd, uint16_t dport, uint32_t ip
 #define ARK_DEFER_FDS 65536 /* deferred binds are tracked for descriptors below this */
 
 struct env_rule {
-    struct ark_rule *rule;
+    struct ark_rule *rule; /* ports:... (NULL for lease:...) */
     uint32_t ip; /* network order */
     uint16_t dport; /* host order; 0: any */
+    char lease[108]; /* lease:PATH: the connection-lease holder's unix socket */
+    pthread_mutex_t mu; /* lease rules: counts */
+    int asked, steered, fallback;
 };
 
 static struct env_rule env_rules[ARK_ENV_MAX_RULES];
@@ -368,7 +377,14 @@ static const char *parse_rule(const char *txt, struct env_rule *e) {
         if (!d || q != eq) return "dport: expected 1..65535";
         e->dport = (uint16_t)d;
     }
-    if (strncmp(eq + 1, "ports:", 6) != 0) return "source: expected ports:LIST (ports of one path per '/' group)";
+    if (strncmp(eq + 1, "lease:", 6) == 0) {
+        size_t n = strlen(eq + 7);
+        if (eq[7] != '/' || n >= sizeof(e->lease)) return "lease: expected an absolute socket path under 108 characters";
+        memcpy(e->lease, eq + 7, n + 1);
+        pthread_mutex_init(&e->mu, NULL);
+        return NULL;
+    }
+    if (strncmp(eq + 1, "ports:", 6) != 0) return "source: expected ports:LIST (ports of one path per '/' group) or lease:PATH";
     e->rule = ark_steer_new(e->ip, 0, 1, 1, NULL, NULL);
     if (!e->rule) return "out of memory";
     const char *q = eq + 7;
@@ -439,14 +455,89 @@ __attribute__((constructor)) static void env_load(void) {
     if (!defer || !strcmp(defer, "1")) defer_tab = calloc(ARK_DEFER_FDS, sizeof(*defer_tab));
 }
 
-static struct ark_rule *env_match(uint32_t ip, uint16_t dport) {
-    struct ark_rule *any = NULL;
+static int bind_to(int fd, uint32_t ip_be, uint16_t port);
+
+static struct env_rule *env_match(uint32_t ip, uint16_t dport) {
+    struct env_rule *any = NULL;
     for (int i = 0; i < env_n; i++) {
         if (env_rules[i].ip != ip) continue;
-        if (env_rules[i].dport == dport) return env_rules[i].rule;
-        if (!env_rules[i].dport) any = env_rules[i].rule;
+        if (env_rules[i].dport == dport) return &env_rules[i];
+        if (!env_rules[i].dport) any = &env_rules[i];
     }
     return any;
+}
+
+/* lease rules: connections asked for, steered onto a leased port, gone out on the engine's own */
+void ark_steer_env_lease_stats(int i, int out[3]) {
+    out[0] = out[1] = out[2] = 0;
+    if (i < 0 || i >= env_n || !env_rules[i].lease[0]) return;
+    pthread_mutex_lock(&env_rules[i].mu);
+    out[0] = env_rules[i].asked;
+    out[1] = env_rules[i].steered;
+    out[2] = env_rules[i].fallback;
+    pthread_mutex_unlock(&env_rules[i].mu);
+}
+
+#define ARK_LEASE_TIMEOUT_US 1000000 /* a holder that does not answer in 1 s: the engine's own port */
+#define ARK_LEASE_MAX_PORTS 64
+
+/* Ask e's holder for the ports of a path leased for this connection: how many (0: none, the
+ * holder did not answer or refused); *sock: the open exchange, for lease_tell. */
+static int lease_ask(const struct env_rule *e, const struct sockaddr_in *to, int *sock, uint16_t *ports) {
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return 0;
+    struct timeval tv = {0, ARK_LEASE_TIMEOUT_US};
+    setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    struct sockaddr_un a;
+    memset(&a, 0, sizeof(a));
+    a.sun_family = AF_UNIX;
+    memcpy(a.sun_path, e->lease, strlen(e->lease) + 1);
+    char ip[16], buf[1024];
+    inet_ntop(AF_INET, &to->sin_addr, ip, sizeof(ip));
+    int n = snprintf(buf, sizeof(buf), "ask %s %u\n", ip, ntohs(to->sin_port));
+    if (real_connect(s, (struct sockaddr *)&a, sizeof(a)) != 0 || write(s, buf, (size_t)n) != n) {
+        close(s);
+        return 0;
+    }
+    size_t got = 0;
+    while (got < sizeof(buf) - 1 && !memchr(buf, '\n', got)) {
+        ssize_t r = read(s, buf + got, sizeof(buf) - 1 - got);
+        if (r <= 0) break;
+        got += (size_t)r;
+    }
+    buf[got] = 0;
+    int count = 0;
+    const char *q = buf + 6;
+    if (strncmp(buf, "ports ", 6) == 0 && strchr(buf, '\n')) {
+        for (long p; count < ARK_LEASE_MAX_PORTS && (p = parse_num(&q, 65535, ",\n")); q++) {
+            ports[count++] = (uint16_t)p;
+            if (*q == '\n') break;
+        }
+    }
+    if (!count) {
+        close(s);
+        return 0;
+    }
+    *sock = s;
+    return count;
+}
+
+/* Tell the holder which port the connection took (0: none was free), and end the exchange. */
+static void lease_tell(int s, uint16_t port) {
+    char line[32];
+    int n = port ? snprintf(line, sizeof(line), "open %u\n", port) : snprintf(line, sizeof(line), "fail\n");
+    if (write(s, line, (size_t)n) < 0) { /* the holder releases a lease no connection took */ }
+    close(s);
+}
+
+/* Bind fd to the first free leased port; the port, or 0. */
+static uint16_t bind_leased(int fd, uint32_t ip_be, const uint16_t *ports, int n) {
+    for (int i = 0; i < n; i++) {
+        if (bind_to(fd, ip_be, ports[i]) == 0) return ports[i];
+        if (errno != EADDRINUSE) return 0;
+    }
+    return 0;
 }
 
 static void env_log(const struct sockaddr_in *to, uint16_t sport, int lane, int steered) {
@@ -531,19 +622,53 @@ static int record_only(struct ark_rule *r, int fd, const struct sockaddr *addr, 
     return rc;
 }
 
-/* The rule for this connection: the thread's own when it targets it, else a process-wide one. */
-static struct ark_rule *rule_for(const struct sockaddr_in *to, uint16_t dport, int *env) {
+/* The rule for this connection: the thread's own when it targets it, else a process-wide one
+ * (*env: its entry, whose rule is NULL for a lease rule). */
+static struct ark_rule *rule_for(const struct sockaddr_in *to, uint16_t dport, struct env_rule **env) {
     struct ark_rule *r = current_rule;
-    *env = 0;
+    *env = NULL;
     if (r && to->sin_addr.s_addr == r->dst_ip && dport != r->skip_port) return r;
-    r = env_match(to->sin_addr.s_addr, dport);
-    *env = r != NULL;
-    return r;
+    *env = env_match(to->sin_addr.s_addr, dport);
+    return *env ? (*env)->rule : NULL;
+}
+
+static void count_lease(struct env_rule *e, uint16_t port) {
+    pthread_mutex_lock(&e->mu);
+    e->asked++;
+    if (port)
+        e->steered++;
+    else
+        e->fallback++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* A connection under a lease rule: the holder's ports, or the engine's own bind. */
+static int connect_leased(struct env_rule *e, int fd, const struct sockaddr_in *to, socklen_t len, int deferred,
+                          uint32_t ip) {
+    uint16_t ports[ARK_LEASE_MAX_PORTS], port = 0;
+    int s = -1, n = lease_ask(e, to, &s, ports);
+    if (n) {
+        port = bind_leased(fd, ip, ports, n);
+        lease_tell(s, port);
+    }
+    count_lease(e, port);
+    if (!port && deferred && bind_to(fd, ip, 0) != 0) return -1;
+    if (port && deferred) {
+        pthread_mutex_lock(&defer_mu);
+        defer_applied++;
+        pthread_mutex_unlock(&defer_mu);
+    }
+    int rc = real_connect(fd, (const struct sockaddr *)to, len);
+    int saved = errno;
+    env_log(to, port ? port : local_port(fd), port ? 0 : -1, port ? 1 : 0);
+    errno = saved;
+    return rc;
 }
 
 int connect(int fd, const struct sockaddr *addr, socklen_t len) {
     uint32_t ip = htonl(INADDR_ANY);
-    int deferred = take_deferred(fd, &ip), env = 0;
+    int deferred = take_deferred(fd, &ip);
+    struct env_rule *env = NULL;
     struct ark_rule *r = NULL;
     const struct sockaddr_in *to = (const struct sockaddr_in *)addr;
     uint16_t dport = 0;
@@ -551,7 +676,9 @@ int connect(int fd, const struct sockaddr *addr, socklen_t len) {
         dport = ntohs(to->sin_port);
         r = rule_for(to, dport, &env);
     }
-    if (r && !deferred && !unbound_tcp(fd)) r = NULL; /* the engine chose its port itself */
+    int mine = deferred || ((r || env) && unbound_tcp(fd)); /* else the engine chose its port itself */
+    if (env && !r && mine) return connect_leased(env, fd, to, len, deferred, ip);
+    if (!mine) r = NULL;
     if (!r || !r->steer) {
         if (deferred && bind_to(fd, ip, 0) != 0) return -1;
         return r ? record_only(r, fd, addr, len, dport) : real_connect(fd, addr, len);
