@@ -126,3 +126,41 @@ def test_with_metadata_both_ways_the_prefill_side_is_steered_onto_its_forward_pa
     assert steered.steer_log == [f"{st.layout.host_ip(dst)} {LISTEN} {sport} 0 1"]
     (kport, _), = off.connections
     assert kport in window and set(check(off, NBYTES, ecmp_map[kport])) != {target}
+
+
+def _one_spine_windows(paths: dict[int, int]) -> Iterator[tuple[list[int], int]]:
+    """Two consecutive kernel ports on one spine, and that spine."""
+    for lo in range(ECMP.start, ECMP.stop - 1):
+        if lo in paths and paths.get(lo + 1) == paths[lo]:
+            yield [lo, lo + 1], paths[lo]
+
+
+@root
+@needs_ns
+def test_a_connection_lease_carries_the_kv_bytes_and_ends_with_the_connection(bed, tmp_path):
+    """Agents on the hosts, a connection-lease holder beside the prefill side: the prefill's UCX
+    connection asks the holder (a lease:... rule), takes a port of the path leased for it alone,
+    and every KV byte crosses that path's spine; when the processes are gone, the holder sees
+    the connection leave the socket table and releases the lease."""
+    import json
+    import time
+
+    from ark.testbed.nixl import leased
+
+    st, src, dst = bed, 0, 1
+    ecmp_map = forward_paths(st, src, dst, LISTEN, ECMP)
+    with leased(st, src, dst, tmp_path / "cl", LISTEN) as (env, state):
+        for window, kernel_spine in _one_spine_windows(ecmp_map):
+            with ephemeral(st, src, window):  # steering off, the bytes would cross kernel_spine
+                run = run_pair(st, src, dst, NBYTES, tmp_path / "w", mutual=True, hold_env=env)
+            (sport, dport), = run.connections
+            time.sleep(1.0)  # the holder's sweeps see the connection gone
+            held = json.loads(state.read_text())
+            lease = next(c for c in held["ended"] + held["live"] if c["sport"] == sport)
+            if lease["path"] != kernel_spine:  # else the agent chose the kernel's spine: try another window
+                break
+        else:
+            raise AssertionError("every window's spine was the leased one")
+    check(run, NBYTES, lease["path"])
+    assert dport == LISTEN and lease["dst"] == st.layout.host_ip(dst) and lease["dport"] == LISTEN
+    assert lease["state"] == "closed" and held["live"] == [] and held["refused"] == 0

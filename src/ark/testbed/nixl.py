@@ -28,11 +28,13 @@ hash includes it). ``python -m ark.testbed.nixl hold`` and ``... read`` are the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -230,6 +232,51 @@ def _probe(st: State, src: int, dst: int, ports: list[int], dport: int = 0, spor
         res = probe_ports(lay.host_ip(dst), dport, ports, src_ip=lay.host_ip(src), sport=sport)
     routers = lay.routers()
     return {p: routers[ip] for p, ip in res.offenders.items() if ip in routers}
+
+
+@contextlib.contextmanager
+def leased(st: State, src: int, dst: int, work: Path, listen_port: int = DEFAULT_LISTEN_PORT, *,
+           idle_s: float = 30.0, sample: int = 128) -> Iterator[tuple[dict[str, str], Path]]:
+    """Agents on every host (``src``'s maps probed towards ``dst``:``listen_port``) and a
+    connection-lease holder beside ``src``: yields the environment that makes a process on
+    ``src`` lease each of its connections to ``dst``'s listener, and the holder's state file."""
+    from ark.agent.client import wait_ready
+    from ark.integrations import preload
+    from ark.testbed.plan import cluster_file
+    from ark.testbed.probing import probe
+
+    work.mkdir(parents=True, exist_ok=True)
+    cluster = cluster_file(st, "ark", 2.0, sample)
+    probe(st, {src: {dst}}, sample, cluster, dport=listen_port)
+    procs, apis = [], {}
+    lay = st.layout
+    try:
+        for i in range(st.spec.leaves * st.spec.gpus_per_leaf):
+            procs.append(spawn_in_host(st, i, [sys.executable, "-m", "ark", "agent", "--cluster", str(cluster), "--host",
+                                               f"gpu{i}", "--log-level", "warning"], work / f"agent-gpu{i}.log"))
+            apis[i] = f"ipc://{st.dir}/api/gpu{i}.sock"
+        wait_ready(list(apis.values()), 60.0)
+        sock, state = work / "connlease.sock", work / "connlease.json"
+        sock.unlink(missing_ok=True)
+        procs.append(spawn_in_host(st, src, [sys.executable, "-m", "ark.integrations.connlease", "--agent", apis[src],
+                                             "--socket", str(sock), "--hosts", f"{lay.host_ip(dst)}=gpu{dst}",
+                                             "--state", str(state), "--idle", str(idle_s)], work / "connlease.log"))
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            if time.monotonic() > deadline or procs[-1].poll() is not None:
+                raise TestbedError(f"connection-lease holder did not start; see {work / 'connlease.log'}")
+            time.sleep(0.05)
+        rule = preload.EnvRule(lay.host_ip(dst), dport=listen_port, lease=str(sock))
+        yield {"LD_PRELOAD": str(preload.library()), "ARK_STEER_RULES": preload.steer_rules([rule])}, state
+    finally:
+        for p in reversed(procs):  # the holder first: it releases what it holds
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(10)
+                except Exception:
+                    p.kill()
+                    p.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
