@@ -103,7 +103,9 @@ ENGINES: tuple[EngineKnob, ...] = (
         "UCX_TCP_PORT_RANGE=P-P fixes the listener port",
         "each connection, opened once per peer and UCX worker and kept",
         "per-connection steering, no code in the engine: the connect() interposer (LD_PRELOAD) with "
-        "ARK_STEER_RULES naming the peers' addresses and listener port and one port group per path; "
+        "ARK_STEER_RULES naming the peers' addresses and listener port and one port group per path, or a "
+        "connection lease per connection (lease:/PATH, python -m ark.integrations.connlease: held while the "
+        "kernel lists the connection, given back when it closes or idles); "
         "UCX's bind to ifaddr:0 is deferred to connect(). Steer the process that opened the connection the "
         "KV bytes ride: a NIXL READ whose target never loaded the reader's metadata (vLLM's NixlConnector) "
         "sends the bytes back on the reader's connection (steer the decode side, ports from a map of the "
@@ -111,7 +113,8 @@ ENGINES: tuple[EngineKnob, ...] = (
         "prefill side)",
         "a source port per connection from the caller, chosen when the endpoint is created",
         "nixl-cu12 1.5.1 (bundled UCX 1.23.0) DRAM-to-DRAM over UCX_TLS=tcp between namespace hosts, KV "
-        "bytes counted at the spines (tests/testbed/test_nixl_testbed.py); not yet with vLLM",
+        "bytes counted at the spines, port lists and connection leases from real agents "
+        "(tests/testbed/test_nixl_testbed.py); not yet with vLLM",
         grain="per connection (one path per connection; a peer pair's connections take the paths in turn)",
     ),
     EngineKnob(
