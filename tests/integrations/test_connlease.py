@@ -28,7 +28,7 @@ from ark.integrations.preload import EnvRule, steer_rules
 def api(tmp_path: Path) -> Iterator[str]:
     """gpu0's local API; gpu1 is behind another leaf."""
     (tmp_path / "api").mkdir()
-    cfile, names = write_cluster(tmp_path, 2, lease_min_s=0.5, heartbeat_s=0.1)
+    cfile, names = write_cluster(tmp_path, 2, lease_min_s=2.0, heartbeat_s=0.1)  # leases outlive a loaded machine's pauses
     procs = AgentProcs(cfile, names, tmp_path)
     for n in names:
         procs.start(n)
@@ -110,7 +110,7 @@ def test_each_connection_gets_a_lease_of_its_own_on_distinct_paths_held_while_it
             assert sorted(c.sport for c in live) == sorted(out["ports"]) and all(c.state == "held" for c in live)
             assert len({c.path for c in live}) == 2  # one peer pair, two paths
             leases.sweep(socket_table(), time.monotonic())
-            assert len(leases.live) == 2  # both still open: renewed
+            assert len(leases.live) == 2, leases.state()  # both still open: renewed
             first = next(c for c in live if c.sport == out["ports"][0])
             child.stdin.write("close\n")
             child.stdin.flush()
@@ -174,3 +174,36 @@ def test_lease_rules_are_checked_and_an_absent_holder_leaves_the_engine_s_own_po
     assert out["port"] != 0 and out["leases"] == [[1, 0, 1]]  # asked, no holder: the engine's own port
     srv.close()
 
+
+
+def test_a_holder_that_hangs_up_mid_exchange_costs_the_engine_nothing(tmp_path) -> None:
+    """A holder that answers ports and hangs up before hearing which one: the engine's
+    connection still takes the port, and its process is not killed by SIGPIPE."""
+    srv, dport = _listener()
+    lport = dport + 1 if dport < 60000 else dport - 1
+    path = str(tmp_path / "rude.sock")
+    rude = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    rude.bind(path)
+    rude.listen(4)
+
+    def answer() -> None:
+        conn, _ = rude.accept()
+        conn.makefile("rb").readline()
+        conn.sendall(f"ports {lport}\n".encode())
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    env = preload.preload_env(dict(os.environ, ARK_STEER_RULES=f"127.0.0.1:{dport}=lease:{path}"))
+    code = textwrap.dedent(f"""
+        import json, socket, time
+        from ark.integrations.preload import env_status
+        time.sleep(0.2)
+        s = socket.socket(); s.connect(("127.0.0.1", {dport}))
+        print(json.dumps({{"port": s.getsockname()[1], "leases": env_status().leases}}))
+    """)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out == {"port": lport, "leases": [[1, 1, 0]]}
+    rude.close()
+    srv.close()

@@ -126,9 +126,11 @@ class ConnLeases:
         """Renew the leases of connections that moved bytes; release the gone and the idle."""
         with self.lock:
             for c in list(self.live.values()):
-                if c.state == "asked":
+                if c.state == "asked":  # no "open" yet: kept (renewed) for PENDING_S at most
                     if now - c.asked_s > PENDING_S:
                         self._end(c, "failed")
+                    else:
+                        self._renew(c)
                     continue
                 moved = table.get((c.sport, c.dst, c.dport))
                 if moved is None:

@@ -496,7 +496,7 @@ static int lease_ask(const struct env_rule *e, const struct sockaddr_in *to, int
     char ip[16], buf[1024];
     inet_ntop(AF_INET, &to->sin_addr, ip, sizeof(ip));
     int n = snprintf(buf, sizeof(buf), "ask %s %u\n", ip, ntohs(to->sin_port));
-    if (real_connect(s, (struct sockaddr *)&a, sizeof(a)) != 0 || write(s, buf, (size_t)n) != n) {
+    if (real_connect(s, (struct sockaddr *)&a, sizeof(a)) != 0 || send(s, buf, (size_t)n, MSG_NOSIGNAL) != n) {
         close(s);
         return 0;
     }
@@ -527,7 +527,7 @@ static int lease_ask(const struct env_rule *e, const struct sockaddr_in *to, int
 static void lease_tell(int s, uint16_t port) {
     char line[32];
     int n = port ? snprintf(line, sizeof(line), "open %u\n", port) : snprintf(line, sizeof(line), "fail\n");
-    if (write(s, line, (size_t)n) < 0) { /* the holder releases a lease no connection took */ }
+    if (send(s, line, (size_t)n, MSG_NOSIGNAL) < 0) { /* the holder releases a lease no connection took */ }
     close(s);
 }
 
