@@ -14,10 +14,10 @@ from ark.integrations import preload
 from ark.integrations.preload import EnvRule, steer_rules
 from ark.testbed import fabric as tbm
 from ark.testbed import netns
-from ark.testbed.nixl import blocks, forward_paths, reply_paths, run_pair, ucx_env
+from ark.testbed.nixl import blocks, forward_paths, free_listen_port, reply_paths, run_pair, ucx_env
 
 PREFIX = "arkn"
-LISTEN = 15100
+LISTENS = range(15100, 15132)  # UCX's listener port: one nothing holds in TIME_WAIT (free_listen_port)
 NBYTES = 3_000_000  # 24 Mbit: about 0.25 s at the testbed's 100 Mbit/s
 PROBED = range(20000, 20128)  # source ports the rules may take
 ECMP = range(30000, 30128)  # the kernel's own ports, for the run with steering off
@@ -82,6 +82,10 @@ def check(run, nbytes: int, spine: int | None, sport: int | None = None) -> dict
     return per
 
 
+def _port(st: tbm.State, src: int, dst: int, *taken: int) -> int:
+    return free_listen_port(st, (src, dst), [p for p in LISTENS if p not in taken])
+
+
 @root
 @needs_ns
 def test_a_pull_is_steered_from_the_decode_side_onto_the_reverse_path(bed, tmp_path):
@@ -89,21 +93,27 @@ def test_a_pull_is_steered_from_the_decode_side_onto_the_reverse_path(bed, tmp_p
     bytes back on the decode's connection: the decode picks a source port whose *reverse*
     direction (prefill listener -> that port) takes the spine ARK chose."""
     st, src, dst = bed, 0, 1
-    ecmp_map = reply_paths(st, src, dst, LISTEN, ECMP)
-    window, target, ports = plan(reply_paths(st, src, dst, LISTEN, PROBED), ecmp_map)
+    listen = _port(st, src, dst)
+    window, target, ports = plan(reply_paths(st, src, dst, listen, PROBED), reply_paths(st, src, dst, listen, ECMP))
     assert len(ports) >= 2
-    log = tmp_path / "steer.log"
-    rule = EnvRule(st.layout.host_ip(src), (tuple(ports),), LISTEN)
+    rule = EnvRule(st.layout.host_ip(src), (tuple(ports),), listen)
     # The decode's kernel picks its own ports from a window whose paths miss the target: only
     # steering can put the bytes there.
     with ephemeral(st, dst, window):
-        steered = run_pair(st, src, dst, NBYTES, tmp_path / "w", read_env=steer_env(rule, log))
-        off = run_pair(st, src, dst, NBYTES, tmp_path / "w")  # steering off
-    check(steered, NBYTES, target, sport=LISTEN)
+        steered = run_pair(st, src, dst, NBYTES, tmp_path / "w", listen_port=listen,
+                           read_env=steer_env(rule, tmp_path / "steer.log"))
+    check(steered, NBYTES, target, sport=listen)
     (_, dport), = steered.connections  # one KV connection: the decode's, seen from the prefill
-    assert dport in ports and steered.steer_log == [f"{st.layout.host_ip(src)} {LISTEN} {dport} 0 1"]
+    assert dport in ports and steered.steer_log == [f"{st.layout.host_ip(src)} {listen} {dport} 0 1"]
+    # Steering off: the kernel's port, and the spine its hash takes (probed before: afterwards
+    # the 4-tuple sits in TIME_WAIT).
+    off_port = _port(st, src, dst, listen)
+    off_map = reply_paths(st, src, dst, off_port, window)
+    with ephemeral(st, dst, window):
+        off = run_pair(st, src, dst, NBYTES, tmp_path / "w", listen_port=off_port)
     (_, kport), = off.connections
-    assert kport in window and set(check(off, NBYTES, ecmp_map[kport])) != {target}
+    assert kport in window
+    check(off, NBYTES, off_map[kport])
 
 
 @root
@@ -113,19 +123,23 @@ def test_with_metadata_both_ways_the_prefill_side_is_steered_onto_its_forward_pa
     opened to the decode's listener, bound (the deferred bind: UCX binds ifaddr:0 first)
     to a port of the spine ARK chose."""
     st, src, dst = bed, 0, 1
-    ecmp_map = forward_paths(st, src, dst, LISTEN, ECMP)
-    window, target, ports = plan(forward_paths(st, src, dst, LISTEN, PROBED), ecmp_map)
-    log = tmp_path / "steer.log"
-    rule = EnvRule(st.layout.host_ip(dst), (tuple(ports),), LISTEN)
+    listen = _port(st, src, dst)
+    window, target, ports = plan(forward_paths(st, src, dst, listen, PROBED), forward_paths(st, src, dst, listen, ECMP))
+    rule = EnvRule(st.layout.host_ip(dst), (tuple(ports),), listen)
     with ephemeral(st, src, window):
-        steered = run_pair(st, src, dst, NBYTES, tmp_path / "w", mutual=True, hold_env=steer_env(rule, log))
-        off = run_pair(st, src, dst, NBYTES, tmp_path / "w", mutual=True)
+        steered = run_pair(st, src, dst, NBYTES, tmp_path / "w", listen_port=listen, mutual=True,
+                           hold_env=steer_env(rule, tmp_path / "steer.log"))
     check(steered, NBYTES, target)
     (sport, dport), = steered.connections
-    assert sport in ports and dport == LISTEN
-    assert steered.steer_log == [f"{st.layout.host_ip(dst)} {LISTEN} {sport} 0 1"]
+    assert sport in ports and dport == listen
+    assert steered.steer_log == [f"{st.layout.host_ip(dst)} {listen} {sport} 0 1"]
+    off_port = _port(st, src, dst, listen)
+    off_map = forward_paths(st, src, dst, off_port, window)
+    with ephemeral(st, src, window):
+        off = run_pair(st, src, dst, NBYTES, tmp_path / "w", listen_port=off_port, mutual=True)
     (kport, _), = off.connections
-    assert kport in window and set(check(off, NBYTES, ecmp_map[kport])) != {target}
+    assert kport in window
+    check(off, NBYTES, off_map[kport])
 
 
 def _one_spine_windows(paths: dict[int, int]) -> Iterator[tuple[list[int], int]]:
@@ -148,19 +162,22 @@ def test_a_connection_lease_carries_the_kv_bytes_and_ends_with_the_connection(be
     from ark.testbed.nixl import leased
 
     st, src, dst = bed, 0, 1
-    ecmp_map = forward_paths(st, src, dst, LISTEN, ECMP)
-    with leased(st, src, dst, tmp_path / "cl", LISTEN) as (env, state):
-        for window, kernel_spine in _one_spine_windows(ecmp_map):
+    used: list[int] = []
+    for attempt in range(3):
+        listen = _port(st, src, dst, *used)
+        used.append(listen)
+        window, kernel_spine = next(_one_spine_windows(forward_paths(st, src, dst, listen, ECMP)))
+        with leased(st, src, dst, tmp_path / f"cl{attempt}", listen) as (env, state):
             with ephemeral(st, src, window):  # steering off, the bytes would cross kernel_spine
-                run = run_pair(st, src, dst, NBYTES, tmp_path / "w", mutual=True, hold_env=env)
+                run = run_pair(st, src, dst, NBYTES, tmp_path / "w", listen_port=listen, mutual=True, hold_env=env)
             (sport, dport), = run.connections
             time.sleep(1.0)  # the holder's sweeps see the connection gone
             held = json.loads(state.read_text())
-            lease = next(c for c in held["ended"] + held["live"] if c["sport"] == sport)
-            if lease["path"] != kernel_spine:  # else the agent chose the kernel's spine: try another window
-                break
-        else:
-            raise AssertionError("every window's spine was the leased one")
+        lease = next(c for c in held["ended"] + held["live"] if c["sport"] == sport)
+        if lease["path"] != kernel_spine:  # else the agent chose the kernel's spine: try another window
+            break
+    else:
+        raise AssertionError("the agent leased the kernel's spine three times")
     check(run, NBYTES, lease["path"])
-    assert dport == LISTEN and lease["dst"] == st.layout.host_ip(dst) and lease["dport"] == LISTEN
+    assert dport == listen and lease["dst"] == st.layout.host_ip(dst) and lease["dport"] == listen
     assert lease["state"] == "closed" and held["live"] == [] and held["refused"] == 0

@@ -211,6 +211,29 @@ def run_pair(st: State, src: int, dst: int, nbytes: int, work: Path, *, nblocks:
     return run
 
 
+def free_listen_port(st: State, hosts: Sequence[int], candidates: Sequence[int]) -> int:
+    """The first of ``candidates`` that every one of ``hosts`` can bind a listener to. UCX's
+    listener does not set ``SO_REUSEADDR``, so a port whose earlier connections the listening
+    side closed first stays unusable for a minute (``TIME_WAIT``)."""
+    import socket
+
+    lay = st.layout
+    for port in candidates:
+        ok = True
+        for h in hosts:
+            with netns.inside(lay.host_ns(h)):
+                s = socket.socket()
+            try:
+                s.bind((lay.host_ip(h), port))
+            except OSError:
+                ok = False
+            finally:
+                s.close()
+        if ok:
+            return port
+    raise TestbedError(f"nixl: no free listener port among {list(candidates)[:1]}..{list(candidates)[-1:]}")
+
+
 def forward_paths(st: State, src: int, dst: int, dport: int, ports: Sequence[int]) -> dict[int, int]:
     """Source port of host ``src`` -> the spine its TCP connections to ``dst``:``dport`` take
     (TTL-limited probes from ``src``'s namespace; ports with no answer are absent)."""
