@@ -45,7 +45,7 @@ ENGINES: tuple[EngineKnob, ...] = (
         "none (connects without binding); MC_TCP_ENABLE_CONNECTION_POOL=0: one connection per request, "
         "opened by the submitting thread",
         "each connection",
-        "per-transfer steering: ark.integrations.mooncake.SteeredTransferEngine + the connect() interposer "
+        "per-transfer steering: SteeredTransferEngine (ark.integrations.mooncake) + the connect() interposer "
         "(ark preload); pooled connections (0.3.12 with the variable at 1, 0.3.13's default) are refused",
         "nothing more (the interposer binds each one-shot connection)",
         "the mooncake-transfer-engine wheel over real TCP (tests/integrations/test_mooncake.py, the testbed)",
