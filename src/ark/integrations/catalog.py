@@ -114,7 +114,8 @@ ENGINES: tuple[EngineKnob, ...] = (
         "a source port per connection from the caller, chosen when the endpoint is created",
         "nixl-cu12 1.5.1 (bundled UCX 1.23.0) DRAM-to-DRAM over UCX_TLS=tcp between namespace hosts, KV "
         "bytes counted at the spines, port lists and connection leases from real agents "
-        "(tests/testbed/test_nixl_testbed.py); not yet with vLLM",
+        "(tests/testbed/test_nixl_testbed.py); vLLM's NixlConnector (CPU KV cache) one request, "
+        "the decode side steered (tests/testbed/test_vllm_nixl_testbed.py)",
         grain="per connection (one path per connection; a peer pair's connections take the paths in turn)",
     ),
     EngineKnob(
