@@ -41,9 +41,11 @@ def test_vllm_nixl_pull_crosses_the_spine_the_decode_rule_names_and_answers_as_o
     rule = EnvRule(st.layout.host_ip(prefill), (tuple(ports),), listen)
     procs = []
     try:
-        with ephemeral(st, decode, window):  # the decode's own ports all miss the target spine
-            procs.append(start(st, prefill, model, tmp_path, listen))
-            procs.append(start(st, decode, model, tmp_path, listen, steer_env(rule, tmp_path / "steer.log")))
+        procs.append(start(st, prefill, model, tmp_path, listen))
+        procs.append(start(st, decode, model, tmp_path, listen, steer_env(rule, tmp_path / "steer.log")))
+        # The decode connects to the prefill at the first request: from then on its kernel's own
+        # ports all miss the target spine (not before: vLLM's startup needs more than four).
+        with ephemeral(st, decode, window):
             res = one_request(st, prefill, decode, "The quick brown fox " * 40)
     finally:
         for p in procs:
