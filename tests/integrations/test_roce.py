@@ -122,6 +122,12 @@ def test_the_engine_table_says_which_route_reaches_each_rdma_engine() -> None:
     assert "NCCL_IBVERBS_LIB" in rdma["NCCL (net_ib)"].knob and "proxy thread" in rdma["NCCL (net_ib)"].ark_today
     assert "LD_PRELOAD" in rdma["Mooncake Transfer Engine"].ark_today
     assert "not reached" in rdma["UCX (and NIXL over UCX)"].ark_today
+    assert "49152" in rdma["UCX (and NIXL over UCX)"].scope and "65472" in rdma["UCX (and NIXL over UCX)"].scope
+    tcp = {e.engine: e for e in ENGINES if e.transport == "TCP"}
+    assert "ARK_STEER_RULES" in tcp["UCX (and NIXL over UCX)"].ark_today
+    assert tcp["UCX (and NIXL over UCX)"].grain.startswith("per connection")
+    assert tcp["Mooncake Transfer Engine"].grain.startswith("per transfer")
+    assert all(e.grain.split(" (")[0] in ("per transfer", "per connection", "per QP", "none") for e in ENGINES)
     # Every RDMA row says how far its route was checked, and none claims a real wire yet.
     assert all(e.verified for e in rdma.values())
     assert not any("real wire" in e.verified and "no real wire" not in e.verified for e in rdma.values())

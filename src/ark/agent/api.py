@@ -49,6 +49,9 @@ class ReserveReq(_Req):
     # with the ports for its share of them (its own and more of its path), so that an
     # engine opening many connections needs no more_ports round trip. 0 or 1: none extra.
     connections: Annotated[int, msgspec.Meta(ge=0, le=MORE_PORTS_MAX)] = 0
+    # Paths to stay off while others remain (a connection lease: the paths the same peer
+    # pair's live connections hold). Broadcast control only: an arbiter places on its own.
+    avoid: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=63)]], msgspec.Meta(max_length=64)] = []
 
 
 FlowId = tuple[_U32, _U63]
@@ -179,7 +182,7 @@ class LocalApi:
             arb.reserve(rid, self.pid, dst, req.nbytes, dport, parts, req.connections)
             return None
         if req.parts is None:
-            lease, outs = node.reserve(dst, req.nbytes, now, dport)
+            lease, outs = node.reserve(dst, req.nbytes, now, dport, avoid=sum({1 << p for p in req.avoid}))
             self.agent.emit(outs)
             self.hold([lease])
             return {"ok": True, "lease": self.with_ports(lease, req.connections)}

@@ -184,12 +184,16 @@ class ArkClient:
         return [le for le, _ in self.reserve_ports(dst, nbytes, dport=dport, parts=parts, wait_ready_s=wait_ready_s)]
 
     def reserve_ports(self, dst: str | int, nbytes: int, *, dport: int = 4791, parts: int | None = None,
-                      connections: int = 0, wait_ready_s: float = 10.0) -> list[tuple[Lease, list[int]]]:
+                      connections: int = 0, wait_ready_s: float = 10.0,
+                      avoid: tuple[int, ...] = ()) -> list[tuple[Lease, list[int]]]:
         """A lease (``parts`` None) or a multi-path lease, each part with the source ports
         of its path for its share of ``connections`` (its own port first; none for a part
-        that reserved nothing), in one round trip. Retries while the agent is not ready."""
+        that reserved nothing), in one round trip. Retries while the agent is not ready.
+        ``avoid``: paths a single-path lease stays off while others remain."""
         deadline = time.monotonic() + wait_ready_s
         req: dict[str, Any] = {"op": "reserve", "dst": dst, "nbytes": nbytes, "dport": dport}
+        if avoid:
+            req["avoid"] = list(avoid)
         if parts is not None:
             req["parts"] = parts
         if connections > 1:

@@ -143,21 +143,27 @@ def probe_ports(
     timeout_s: float = 0.3,
     retries: int = 2,
     batch: int = 256,
+    sport: int = 0,
 ) -> ProbeResult:
-    """Send one TTL-limited probe per source port (``batch`` in flight) and read the offenders."""
+    """Send one TTL-limited probe per source port (``batch`` in flight) and read the offenders.
+
+    With ``sport``, every probe leaves from that one source port and ``ports`` are the
+    destination ports (``dport`` is unused): the path of the bytes a listener on ``sport``
+    sends back on connections made to it from each of those ports (the reverse direction
+    of a connection the peer opens). ``offenders`` is then keyed by destination port."""
     if proto not in PROTOS:
         raise ProbeError(f"proto: must be one of {', '.join(PROTOS)}; got {proto!r}")
     if not 1 <= ttl <= 255:
         raise ProbeError(f"ttl: must be 1..255; got {ttl}")
-    if not 0 <= dport <= 0xFFFF:
-        raise ProbeError(f"dport: must be 0..65535; got {dport}")
+    if not 0 <= dport <= 0xFFFF or not 0 <= sport <= 0xFFFF:
+        raise ProbeError(f"dport, sport: must be 0..65535; got {dport}, {sport}")
     res = ProbeResult(dst_ip, dport, proto, ttl=ttl)
     t0 = time.perf_counter()
     todo = [int(p) for p in ports]
     for _attempt in range(retries + 1):
         missing: list[int] = []
         for i in range(0, len(todo), batch):
-            missing += _probe_batch(res, todo[i : i + batch], src_ip, ttl, timeout_s)
+            missing += _probe_batch(res, todo[i : i + batch], src_ip, ttl, timeout_s, sport)
         todo = missing
         if not todo:
             break
@@ -165,19 +171,21 @@ def probe_ports(
     return res
 
 
-def _probe_batch(res: ProbeResult, ports: list[int], src_ip: str, ttl: int, timeout_s: float) -> list[int]:
+def _probe_batch(res: ProbeResult, ports: list[int], src_ip: str, ttl: int, timeout_s: float,
+                 sport: int = 0) -> list[int]:
     socks: dict[int, tuple[socket.socket, int]] = {}
     poller = select.poll()
     try:
         for port in ports:
-            s = _open(res.proto, src_ip, port, ttl)
+            s = _open(res.proto, src_ip, sport or port, ttl)
             if s is None:
                 res.unusable.append(port)
                 continue
+            to = (res.dst_ip, port if sport else res.dport)
             try:
                 if res.proto == "udp":
-                    s.sendto(b"ark-probe", (res.dst_ip, res.dport))
-                elif s.connect_ex((res.dst_ip, res.dport)) in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
+                    s.sendto(b"ark-probe", to)
+                elif s.connect_ex(to) in (errno.EADDRNOTAVAIL, errno.EADDRINUSE):
                     # A live connection owns this exact 4-tuple (probing a busy fabric): skip it.
                     s.close()
                     res.unusable.append(port)

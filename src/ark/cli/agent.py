@@ -186,12 +186,13 @@ def _engine_table() -> None:
     # A setting is copied as it is: wide enough that no name of one is cut in two.
     widest = max(len(w) for e in ENGINES for w in e.knob.replace(",", " ").split())
     for col in ("engine", "transport", "setting", "applies to", "ARK today (checked how; kernel and driver)",
-                "per-transfer steering needs"):
+                "grain", "per-transfer steering needs"):
         t.add_column(col, overflow="fold", min_width=widest + 1 if col == "setting" else None)
     for e in ENGINES:
         today = e.ark_today + (f" (checked: {e.verified})" if e.verified else "")
         today += f" (needs: {e.conditions})" if e.conditions else ""
-        t.add_row(*(escape(v) for v in (e.engine, e.transport, e.knob, e.scope, today, e.per_transfer_needs)))
+        t.add_row(*(escape(v) for v in (e.engine, e.transport, e.knob, e.scope, today, e.grain,
+                                        e.per_transfer_needs)))
     out.print(t)
 
 

@@ -30,7 +30,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
-VERSION = 2
+VERSION = 3
+MAX_ENV_RULES = 64
+MAX_LANES = 256
 MAX_PORTS = 4096
 LIB_NAME = "libarksteer"
 
@@ -155,6 +157,16 @@ class _Lib:
         self.stats.restype, self.stats.argtypes = None, [vp, ctypes.POINTER(ctypes.c_int)]
         self.log = glob.ark_steer_log
         self.log.restype, self.log.argtypes = i, [vp, ctypes.POINTER(ctypes.c_int32), i]
+        self.env_rules = glob.ark_steer_env_rules
+        self.env_rules.restype, self.env_rules.argtypes = i, []
+        self.env_error = glob.ark_steer_env_error
+        self.env_error.restype, self.env_error.argtypes = ctypes.c_char_p, []
+        self.env_rule = glob.ark_steer_env_rule
+        self.env_rule.restype, self.env_rule.argtypes = vp, [i]
+        self.env_deferred = glob.ark_steer_env_deferred
+        self.env_deferred.restype, self.env_deferred.argtypes = None, [ctypes.POINTER(ctypes.c_int)]
+        self.env_lease_stats = glob.ark_steer_env_lease_stats
+        self.env_lease_stats.restype, self.env_lease_stats.argtypes = None, [i, ctypes.POINTER(ctypes.c_int)]
 
 
 _lib: _Lib | None = None
@@ -318,3 +330,97 @@ class Rule(NativeRule):
         return [Connection(buf[3 * i], buf[3 * i + 1], None if buf[3 * i + 2] < 0 else bool(buf[3 * i + 2]))
                 for i in range(n)]
 
+
+
+# ---------------------------------------------------------------------------- process-wide rules
+class SteerRulesError(ValueError):
+    """An ``ARK_STEER_RULES`` value that the interposer would refuse (one line, naming the rule)."""
+
+
+@dataclass(frozen=True)
+class EnvRule:
+    """A process-wide rule: connections to ``dst_ip`` (on ``dport``; 0: any port) from any
+    thread without a rule of its own take the ports of ``paths`` in turn, one path per new
+    connection (path k: lane k), so that one peer pair's connections sit on distinct paths;
+    or, with ``lease`` (the unix socket of a connection-lease holder,
+    :mod:`ark.integrations.connlease`), each takes the ports of a lease of its own."""
+
+    dst_ip: str
+    paths: tuple[tuple[int, ...], ...] = ()
+    dport: int = 0
+    lease: str = ""
+
+    def text(self) -> str:
+        dst = self.dst_ip if not self.dport else f"{self.dst_ip}:{self.dport}"
+        if self.lease:
+            return f"{dst}=lease:{self.lease}"
+        return f"{dst}=ports:" + "/".join(",".join(str(p) for p in lane) for lane in self.paths)
+
+
+def _check_rule(i: int, r: EnvRule) -> None:
+    where = f"ARK_STEER_RULES: rule {i + 1}"
+    try:
+        ipaddress.IPv4Address(r.dst_ip)
+    except ValueError:
+        raise SteerRulesError(f"{where}: destination: expected an IPv4 address; got {r.dst_ip!r:.40}") from None
+    if isinstance(r.dport, bool) or not isinstance(r.dport, int) or not 0 <= r.dport <= 0xFFFF:
+        raise SteerRulesError(f"{where}: dport: expected 0..65535 (0: any); got {r.dport!r:.40}")
+    if r.lease:
+        if r.paths or not r.lease.startswith("/") or len(r.lease.encode()) >= 108 or any(c in r.lease for c in ";\n"):
+            raise SteerRulesError(f"{where}: lease: expected an absolute socket path under 108 bytes and no paths")
+        return
+    if not r.paths or len(r.paths) > MAX_LANES or not all(r.paths):
+        raise SteerRulesError(f"{where}: paths: expected 1..{MAX_LANES} non-empty port groups")
+    ports = [p for lane in r.paths for p in lane]
+    if len(ports) > MAX_PORTS:
+        raise SteerRulesError(f"{where}: ports: at most {MAX_PORTS} per rule; got {len(ports)}")
+    try:
+        _ports_array(ports)
+    except ValueError as e:
+        raise SteerRulesError(f"{where}: {e}") from None
+
+
+def steer_rules(rules: Sequence[EnvRule]) -> str:
+    """The ``ARK_STEER_RULES`` value for ``rules``, checked as the interposer checks it."""
+    if not rules or len(rules) > MAX_ENV_RULES:
+        raise SteerRulesError(f"ARK_STEER_RULES: expected 1..{MAX_ENV_RULES} rules; got {len(rules)}")
+    seen: set[tuple[str, int]] = set()
+    for i, r in enumerate(rules):
+        _check_rule(i, r)
+        if (r.dst_ip, r.dport) in seen:
+            raise SteerRulesError(f"ARK_STEER_RULES: rule {i + 1}: a second rule for this destination")
+        seen.add((r.dst_ip, r.dport))
+    return ";".join(r.text() for r in rules)
+
+
+@dataclass(frozen=True)
+class EnvStatus:
+    """What the loaded interposer made of ``ARK_STEER_RULES``: rules loaded, the refusal (empty
+    when none), binds deferred to connect() and how many of those a steered port took, and per
+    rule the connections it saw."""
+
+    rules: int
+    error: str
+    deferred: int
+    deferred_steered: int
+    connections: tuple[tuple[Connection, ...], ...]  # empty for a lease rule
+    leases: tuple[tuple[int, int, int], ...]  # per rule: (asked, steered, fallback); zeros for a ports rule
+
+
+def env_status() -> EnvStatus:
+    """The process-wide rules of the interposer loaded in this process."""
+    lib = require()
+    n = int(lib.env_rules())
+    out = (ctypes.c_int * 2)()
+    lib.env_deferred(out)
+    conns, leases = [], []
+    buf = (ctypes.c_int32 * (3 * MAX_PORTS))()
+    three = (ctypes.c_int * 3)()
+    for i in range(n):
+        handle = lib.env_rule(i)
+        got = lib.log(handle, buf, MAX_PORTS) if handle else 0
+        conns.append(tuple(Connection(buf[3 * k], buf[3 * k + 1], None if buf[3 * k + 2] < 0 else bool(buf[3 * k + 2]))
+                           for k in range(got)))
+        lib.env_lease_stats(i, three)
+        leases.append((int(three[0]), int(three[1]), int(three[2])))
+    return EnvStatus(n, (lib.env_error() or b"").decode(), int(out[0]), int(out[1]), tuple(conns), tuple(leases))
