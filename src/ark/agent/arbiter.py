@@ -12,7 +12,13 @@ Sockets (ZeroMQ, CURVE on every link, as the agents'):
 
 Requests are taken in batches: every message waiting is handled (at most ``BATCH`` per
 wakeup), each answered as soon as it is decided, then the batch's table changes go to the
-followers in one message. Time is the wall clock.
+followers in one message.
+
+Time is a monotonic clock set to the wall clock when the process starts (``_clock``): the
+leader lease is measured on it (a clock stepped back or forward would stretch or cut a
+lease), and on Linux it is ``CLOCK_BOOTTIME``, which also counts while the machine is
+suspended. Reservation times cross between arbiters as absolute times, so they stay close
+to the wall clock: two arbiters' clocks differ by what their wall clocks did at start.
 """
 
 from __future__ import annotations
@@ -48,6 +54,11 @@ from ark.core.arbiter import Arbiter, ArbiterLimits, ArbiterOut
 from ark.core.arbiter_wire import MAX_ARBITER_MESSAGE_BYTES
 
 log = logging.getLogger("ark.arbiter")
+_MONO = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def _clock() -> float:
+    return time.clock_gettime(_MONO)
 BATCH = 4096  # messages handled per wakeup at most (then timers and followers get their turn)
 
 
@@ -75,6 +86,11 @@ class ArbiterProcess:
         self.errors = 0
         self.unsent = 0
         self._role = ""
+        self._t0 = time.time() - _clock()
+
+    def now(self) -> float:
+        """Monotonic, set to the wall clock at start (see the module's doc)."""
+        return self._t0 + _clock()
 
     # ------------------------------------------------------------------ sockets
     def _open(self) -> None:
@@ -134,22 +150,22 @@ class ArbiterProcess:
         signal.signal(signal.SIGINT, self.stop)
         log.info(**_ev("arbiter_started", name=self.me.name, rank=self.me.rank, arbiters=len(self.cluster.arbiters),
                        control=self.me.control, policy=self.cluster.policy))
-        self.send(self.core.start(time.time()))
+        self.send(self.core.start(self.now()))
         try:
             while not self._stop:
-                now = time.time()
+                now = self.now()
                 timeout = min(1.0, max(0.0, self.core.next_deadline() - now))
                 events = dict(self.poller.poll(max(0, math.ceil(timeout * 1000))))
                 if self.guard.monitor in events:
                     self.guard.drain()
                 if self.inbox in events:
                     self._drain()
-                now = time.time()
+                now = self.now()
                 if now >= self.core.next_deadline():
                     self.send(self.core.tick(now))
                 self._log_role()
         finally:
-            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(time.time())))
+            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(self.now())))
             self._close()
 
     def _drain(self) -> None:
@@ -164,7 +180,7 @@ class ArbiterProcess:
                 continue
             user = frames[1].get("User-Id")
             host, rank = self._sender.get(user.encode() if isinstance(user, str) else b"", (-1, -1))
-            now = time.time()
+            now = self.now()
             try:
                 if host >= 0:
                     self._reply(frames[0], core.on_host(host, frames[1].bytes, now))
