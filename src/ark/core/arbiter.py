@@ -36,6 +36,15 @@ across restarts by ``ark arbiter``): it follows any leader of that epoch or abov
 leads only a generation above it. Transitions (``_LEADING``/``_FOLLOWING``) all go through
 :meth:`Arbiter._become`.
 
+The leader lease: a leader answers hosts only while every arbiter it needs has
+acknowledged (echoed, at once) one of its beats sent less than ``lease_s`` ago on its own
+clock; ``lease_s`` is ``takeover_s`` shrunk by the clocks' rate bound (``clock_drift``)
+and a margin (``lease_margin_s``), so it ends before any such follower, counting
+``takeover_s`` of silence on its clock, can lead. It needs every other arbiter but the
+leader it took over from, when that one's lease needed it (that leader answers no more
+without its acknowledgements, which it does not give to an older epoch). A stopped
+process resumes with its lease run out. The argument is in docs/arbiter.md.
+
 Every flow id carries the epoch that granted it (``seq = epoch << 32 | n``). A new leader
 takes renewals only of flows its table holds: those it followed, and those a host
 registers again (:class:`~ark.core.arbiter_wire.Register`), each judged like a new request
