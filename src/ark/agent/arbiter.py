@@ -79,7 +79,7 @@ class ArbiterProcess:
             raise AgentError(str(e)) from None
         self.core = Arbiter(c.fabric, rank=self.me.rank, arbiters=len(c.arbiters), policy=c.policy, lease=c.lease(),
                             limits=limits, heartbeat_s=c.takeover_s / 5, takeover_s=c.takeover_s,
-                            retention_s=c.retention_s, seen_epoch=self._seen_epoch)
+                            retention_s=c.retention_s, seen_epoch=self._seen_epoch, clock_drift=c.arbiter_clock_drift)
         self._sender: dict[bytes, tuple[int, int]] = {h.public_key.encode(): (h.index, -1) for h in c.hosts}
         self._sender.update({a.public_key.encode(): (-1, a.rank) for a in c.arbiters})
         self._stop = False

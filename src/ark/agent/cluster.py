@@ -111,6 +111,8 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         takeover_s: Arbiters: a follower that hears no leader this long leads, s.
         arbiter_rate_per_host: Requests per second a host may send an arbiter.
         arbiter_burst_per_host: Requests a host may send an arbiter back to back.
+        arbiter_clock_drift: Arbiters: the bound on how fast or slow their clocks run
+            (0.001: 1,000 ppm); the leader lease is shortened by it.
         control: ``broadcast``: every agent keeps a replica of the table; ``arbiter``: agents
             ask the ``[[arbiters]]`` for every lease.
         arbiter_timeout_s: Arbiter mode: a request unanswered this long goes to the next
@@ -156,6 +158,7 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     takeover_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 1.0
     arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # requests/s a host may send
     arbiter_burst_per_host: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
+    arbiter_clock_drift: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.001  # the leader lease's rate bound
     # "broadcast": every agent keeps a replica of the table (scope above says of which part).
     # "arbiter": agents keep none; they ask the [[arbiters]] (ark arbiter) for every lease.
     control: Literal["broadcast", "arbiter"] = "broadcast"

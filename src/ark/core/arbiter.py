@@ -680,6 +680,7 @@ class Arbiter:
         st: dict[str, object] = {"rank": self.rank, "epoch": self.epoch, "seen_epoch": self.seen_epoch,
                                  "role": self.role, "synced": self.synced, "flows": len(self.table.table())}
         if now is not None:
+            st["lease"] = self.leading and self._lease_held(now)  # answering hosts now
             st["live"] = sum(1 for f in self.table.entries() if (e := self.table.get(f)) is not None
                              and e.released is None and e.end > now)
         st["counters"] = dict(self.counters.__dict__)
