@@ -367,7 +367,7 @@ class Sim:
         if (src, dst) in self.blocked or (f.loss and self.rng.random() < f.loss):
             self._fault()
             if stream:
-                self.arb_fault = self.t
+                self.arb_fault = max(self.arb_fault, self.t)
             return
         copies = 1
         if f.dup and not stream and self.rng.random() < f.dup:
@@ -821,7 +821,7 @@ class Sim:
             self._push(self.t, kind, data)
         self._fault()
         if ep >= N:
-            self.arb_fault = self.t
+            self.arb_fault = max(self.arb_fault, self.t)
         self.log(f"{'arbiter' if ep >= N else 'host'} {ep - N if ep >= N else ep} resumes ({len(waited)} waited)")
 
     def step(self) -> None:
@@ -850,7 +850,7 @@ class Sim:
             if self.blocked or not any(self.arbs) or self._needs_dead():
                 self._fault()  # a partition lasts, no arbiter runs, or a leader's lease needs a dead one
                 if any(a >= N and b >= N for a, b in self.blocked):
-                    self.arb_fault = self.t
+                    self.arb_fault = max(self.arb_fault, self.t)
             ep = data[1] if kind == "msg" else data[0] if kind in ("wake", "renew", "finish") else -1
             if ep in self.paused:  # a stopped process: what comes for it waits
                 self.deferred[ep].append((kind, data))
