@@ -789,7 +789,7 @@ class Sim:
     def pause(self) -> None:
         """A process stopped (SIGSTOP, a GC pause, a VM stall): an arbiter (the leader three
         times in four) or a host. It handles nothing until it resumes; what comes for it
-        waits, and then arrives at once, in order, before its timers fire. Its clock runs on."""
+        waits, and then arrives at once (see _fair), before its timers fire. Its clock runs on."""
         arbs = [N + r for r in range(self.n_arbs) if self.arbs[r] is not None and N + r not in self.paused]
         hosts = [i for i in range(N) if self.hosts[i] is not None and i not in self.paused]
         leading = [ep for ep in arbs if self.arbs[ep - N].leading]  # type: ignore[union-attr]
@@ -806,12 +806,13 @@ class Sim:
         if ep >= N:
             self.arb_fault = max(self.arb_fault, until)
         self.log(f"{'arbiter' if ep >= N else 'host'} {ep - N if ep >= N else ep} stopped until {until:.4f}")
-        self._push(until, "resume", (ep,))
+        self._push(until, "resume", (ep, self.t))
 
-    def _resume(self, ep: int) -> None:
-        start = self.paused.pop(ep, None)
-        if start is None:
+    def _resume(self, ep: int, start: float | None = None) -> None:
+        """``start``: that stop's (a stop ended by a crash leaves its resume behind)."""
+        if ep not in self.paused or start not in (None, self.paused[ep]):
             return
+        start = self.paused.pop(ep)
         self.paused_s[ep] += self.t - start
         waited = self.deferred.pop(ep, [])
         for kind, data in waited:
@@ -856,7 +857,7 @@ class Sim:
                 self.deferred[ep].append((kind, data))
                 continue
             if kind == "resume":
-                self._resume(data[0])
+                self._resume(*data)
             elif kind == "msg":
                 self._deliver(*data)
             elif kind == "wake":
