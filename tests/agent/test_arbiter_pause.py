@@ -35,6 +35,15 @@ def _answers(host: _Host, rank: int, rids: set[int], timeout_s: float) -> dict[i
     return got
 
 
+def _leader(host: _Host) -> tuple[int, w.Pong] | None:
+    """The arbiter that answers a ping, and its answer."""
+    for rank in range(len(host.socks)):
+        r = host.call(rank, w.Ping(1 + rank, 0), 0.5)
+        if isinstance(r, w.Pong):
+            return rank, r
+    return None
+
+
 def _exit_counters(log: Path) -> dict[str, Any]:
     """The counters in an arbiter's exit record (its last ``arbiter_stopped`` line)."""
     found: dict[str, Any] = {}
@@ -57,22 +66,23 @@ def pause_trial(wd: Path, pause_s: float) -> dict[str, Any]:
     for n in ("arb0", "arb1", agent_name):
         procs.start(n)
     host = _Host(cf, other)
-    primary = procs.procs["arb0"]
+    primary = None
     try:
         procs.wait_ready([agent_name])
-        pong = _until(lambda: r if isinstance(r := host.call(0, w.Ping(1, 0), 0.5), w.Pong) else None, 10.0)
-        assert isinstance(pong, w.Pong), pong
-        epoch = pong.epoch
+        pong = _until(lambda: _leader(host), 10.0)  # at a cold start the first rank started may win the race
+        assert pong, pong
+        lead, epoch = pong[0], pong[1].epoch
+        primary = procs.procs[f"arb{lead}"]
         time.sleep(2 * TAKEOVER_S)  # the standby follows; its acknowledgements keep the primary's lease
         primary.send_signal(signal.SIGSTOP)
         t_stop = time.monotonic()
-        host.socks[0].send(w.encode(w.Ask(2, epoch, dst_other, 10**9, 4791)))  # waits at the stopped primary
+        host.socks[lead].send(w.encode(w.Ask(2, epoch, dst_other, 10**9, 4791)))  # waits at the stopped primary
         with ArkClient(procs.api(agent_name), timeout_s=5.0) as agent:
             held = _until(lambda: (le := agent.reserve(dst_agent, 10**9)).reserved and le, pause_s - 0.1)
             time.sleep(max(0.0, t_stop + pause_s - time.monotonic()))
             primary.send_signal(signal.SIGCONT)
-            host.socks[0].send(w.encode(w.Ask(3, epoch, dst_other, 10**9, 4791)))  # still the old epoch
-            answers = _answers(host, 0, {2, 3}, 2.0)
+            host.socks[lead].send(w.encode(w.Ask(3, epoch, dst_other, 10**9, 4791)))  # still the old epoch
+            answers = _answers(host, lead, {2, 3}, 2.0)
             if not held:  # a short stop: the standby may lead only after it
                 held = _until(lambda: (le := agent.reserve(dst_agent, 10**9)).reserved and le, 10.0)
             agent_epoch = agent.status()["arbiter"]["epoch"]
@@ -82,11 +92,12 @@ def pause_trial(wd: Path, pause_s: float) -> dict[str, Any]:
                    for p in a.parts if p.reserved and not p.shared]
         # Both senders are on one leaf, both destinations on the other: one path, one uplink.
         doubles = sum(1 for i, g in enumerate(grants) for h in grants[i + 1:] if g[2] == h[2])
-        return {"pause_s": round(pause_s, 2), "double_holders": doubles, "grants": grants,
+        return {"pause_s": round(pause_s, 2), "double_holders": doubles, "grants": grants, "primary_rank": lead,
                 "old_epoch": epoch, "answers": sorted((rid, type(a).__name__, getattr(a, "why", ""))
                                                       for rid, a in answers.items())}
     finally:
-        primary.send_signal(signal.SIGCONT)
+        if primary is not None:
+            primary.send_signal(signal.SIGCONT)
         host.close()
         procs.stop_all()
 
@@ -97,8 +108,8 @@ def _trials(tmp_path: Path, pauses: list[float]) -> list[dict[str, Any]]:
         wd = tmp_path / f"trial{i}"
         wd.mkdir()
         r = pause_trial(wd, p)
-        r["primary"] = {k: v for k, v in _exit_counters(wd / "arb0.log").items() if k in ("no_lease", "paused",
-                                                                                           "granted", "refused")}
+        log = wd / f"arb{r['primary_rank']}.log"
+        r["primary"] = {k: v for k, v in _exit_counters(log).items() if k in ("no_lease", "paused", "granted", "refused")}
         out.append(r)
     return out
 
