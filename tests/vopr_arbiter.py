@@ -28,7 +28,13 @@ Faults (each seed draws its mix, :class:`Faults`):
   seven in ten restart 0.2-2 s later as a restarted ``ark arbiter`` does: an empty table,
   and the epoch it kept (the highest it led or heard of);
 * host crashes (40 % of the seeds, 3 % of the steps): its flows are never released nor
-  renewed; seven in ten restart 0.05-1.5 s later with a new incarnation and a fresh link.
+  renewed; seven in ten restart 0.05-1.5 s later with a new incarnation and a fresh link;
+* pauses (half the seeds, 3 % of the steps): a process stopped for 0.05 s to ``PAUSE_MAX``
+  (SIGSTOP, a GC pause, a VM stall), an arbiter six times in ten (the leader three times in
+  four), else a host. It handles nothing meanwhile and its clock runs on; what came for it
+  is handed over on resuming as a ZeroMQ ROUTER does (each sender's in order, the senders
+  in turn), before its timers fire. With the partitions between the arbiters above (hosts
+  reaching both), this is what a leader lease is for.
 
 The workload (40 % of the steps): an ask from a random host to one on another leaf, of
 one part or (a third) of 2-5 parts; three in four clients renew every third of the
@@ -45,13 +51,19 @@ Invariants (a violation raises :class:`Violation` naming the seed):
    among the flows live hosts hold as reserved (lease not over by their clock) whose ids
    carry the highest epoch an arbiter leads with, no link has two exclusive holders, and
    that leader holds each of them on the same path (its links, the grace included).
+   Across epochs: two exclusive holders of a link under different epochs, where the older
+   one's lease was set by an answer that left its arbiter after the newer epoch's first
+   answer, is a violation (an old leader answered from a stale table); one that left
+   before is the window the design allows (granted within its leader's lease, not in the
+   new leader's table: changes lost with a cut or a crash), counted (``cross_epoch``).
 2. *A dead host's leases end everywhere* within :data:`DEAD_BOUND` of its crash: no live
    arbiter's table holds one of its flows live after that.
 3. *ECMP without an arbiter, and recovery.* Every ask finishes within ``arbiters x
-   arbiter_timeout_s`` (each arbiter tried once); one no arbiter answered gives leases of
+   arbiter_timeout_s`` (each arbiter tried once; plus the time its host was stopped); one no arbiter answered gives leases of
    plain ECMP that say ``no arbiter answered``. An ask begun :func:`recover_bound` after
    the last fault (a message lost, duplicated, or held back until it arrives; a partition
-   begun, lasting or healed; an arbiter crashed or restarted; no arbiter running) is
+   begun, lasting or healed; an arbiter crashed or restarted; no arbiter running; a
+   leader whose lease needs a crashed arbiter; a process stopped, until it resumes) is
    answered, unless its host has heard of an epoch above every live arbiter's: then
    ``FORGET`` later (it refuses the lower epoch that long, by design).
 4. *At quiet points* (partitions healed, crashed arbiters and hosts restarted, faults off
@@ -64,6 +76,9 @@ Invariants (a violation raises :class:`Violation` naming the seed):
    highest epoch is alive, has led for a takeover period and no message between arbiters
    was lost or held back (nor a cut between them) in that period: a violation (the old
    leader steps down and takes the new one's table, whatever that lacks).
+6. *Leaders answer in turn.* Once an answer of some epoch has left an arbiter (true time),
+   no answer of a lower epoch leaves any arbiter (a leader answers only within its lease,
+   and a follower leads only after that lease has surely ended).
 """
 
 from __future__ import annotations
@@ -114,7 +129,8 @@ RETENTION = 2.0
 NBYTES = (10**6, 10**8, 10**9)
 LONGEST_LEASE = LEASE(max(NBYTES), min(FABRIC.path_rate_bps(0, 2, p) for p in range(3)))
 RENEW_EVERY = LEASE.min_s / 3
-GRANT_TAG, BEAT_TAG = 11, 21  # a message's second byte: its kind (after the array's header)
+GRANT_TAG, REFUSED_TAG, BEAT_TAG = 11, 15, 21  # a message's second byte: its kind (after the array's header)
+PAUSE_MAX = 2.0  # a process stopped up to this long (four takeover periods)
 
 # Message timing: a base delay plus jitter, and now and then a message held back up to
 # SLOW_MAX more (a retransmission or two: longer than the grace). D_MAX bounds how long any
@@ -176,6 +192,7 @@ class Faults:
     partitions: bool
     arbiter_crashes: bool
     host_crashes: bool
+    pauses: bool = False  # processes stopped (SIGSTOP, a VM stall) and resumed: arbiters and hosts
 
     @classmethod
     def draw(cls, rng: random.Random) -> Faults:
@@ -189,10 +206,11 @@ class Faults:
             partitions=rng.random() < 0.5,
             arbiter_crashes=rng.random() < 0.6,
             host_crashes=rng.random() < 0.4,
+            pauses=rng.random() < 0.5,
         )
 
     def quiet(self) -> Faults:
-        return Faults(0.0, 0.0, self.delay, self.jitter, 0.0, self.skew, False, False, False)
+        return Faults(0.0, 0.0, self.delay, self.jitter, 0.0, self.skew, False, False, False, False)
 
 
 @dataclass
@@ -221,6 +239,7 @@ class Host:
     # Reserved flows: the epoch of the answer that last set the lease (a grant, a renewal,
     # a registration). A flow's id keeps the epoch that first granted it.
     lease_epoch: dict[FlowId, int] = field(default_factory=dict)
+    lease_at: dict[FlowId, float] = field(default_factory=dict)  # when that answer left its arbiter (true time)
     bad_grants: int = 0
 
 
@@ -240,9 +259,12 @@ class Summary:
     host_crashes: int = 0
     host_restarts: int = 0
     partitions: int = 0
+    pauses: int = 0  # arbiter and host processes stopped and resumed
+    no_lease: int = 0  # answers a leader refused for want of a lease
     takeovers: int = 0
     quiet_checks: int = 0
-    cross_epoch: int = 0  # flows of different epochs seen holding one link alone (the documented window)
+    cross_epoch: int = 0  # flows of different epochs seen holding one link alone, the older granted before the
+    # newer epoch's first answer (the documented window: what the new leader's table lacks)
     judged: int = 0  # asks begun a recovery bound after the last fault: they must be answered
     dead_judged: int = 0  # crashed host incarnations past DEAD_BOUND: nothing of theirs may be live
     bad_grants: int = 0
@@ -295,6 +317,16 @@ class Sim:
         self.quiet = False
         self._quiet_until = self.t
         self.probes: dict[int, tuple[int, Any]] = {}  # quiet points' asks: cid -> (host, answer)
+        # Pauses: endpoint -> when it resumes, the events that waited for it, its time stopped in all.
+        self.paused: dict[int, float] = {}
+        self.deferred: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
+        self.paused_s = [0.0] * (N + self.n_arbs)
+        self.ask_paused: dict[int, float] = {}  # cid -> its host's paused_s when it asked
+        # Invariant 6: the first answer (true time) of each epoch, the highest epoch that answered,
+        # and when each answer left (host, rid, epoch) -> true time.
+        self.first_answer: dict[int, float] = {}
+        self.top_answered = -1
+        self.answer_sent: dict[tuple[int, int, int], float] = {}
         for r in range(self.n_arbs):
             self._start_arbiter(r, 0)
         for i in range(N):
@@ -335,7 +367,7 @@ class Sim:
         if (src, dst) in self.blocked or (f.loss and self.rng.random() < f.loss):
             self._fault()
             if stream:
-                self.arb_fault = self.t
+                self.arb_fault = max(self.arb_fault, self.t)
             return
         copies = 1
         if f.dup and not stream and self.rng.random() < f.dup:
@@ -394,9 +426,24 @@ class Sim:
             if o.host >= 0:
                 if o.data[1] == GRANT_TAG:  # remember whose flows it names
                     self._note_grant(o.host, inc_of, o.data)
+                if o.data[1] != REFUSED_TAG:
+                    self._note_answer(r, o.host, o.data)
                 self._send(ep, o.host, o.data)
             elif o.arbiter >= 0:
                 self._send(ep, N + o.arbiter, o.data)
+
+    def _note_answer(self, r: int, host: int, data: bytes) -> None:
+        """Invariant 6: once an epoch has answered, no lower epoch answers again (a leader
+        answers only within its lease, and a follower leads only after that lease ended)."""
+        msg = w.decode_to_host(data)
+        e = msg.epoch
+        if e < self.top_answered:
+            self.fail(f"arbiter {r} answered host {host} ({type(msg).__name__} {msg.rid}) at epoch {e}, after epoch "
+                      f"{self.top_answered} began answering at {self.first_answer[self.top_answered]:.4f}: two "
+                      f"leaders answered in overlapping windows")
+        self.first_answer.setdefault(e, self.t)
+        self.top_answered = max(self.top_answered, e)
+        self.answer_sent.setdefault((host, msg.rid, e), self.t)
 
     def _note_grant(self, host: int, inc: int, data: bytes) -> None:
         try:
@@ -433,13 +480,38 @@ class Sim:
         arb = self.arbs[r]
         assert arb is not None
         self.log(f"arbiter {r} crashes ({arb.role}, epoch {arb.epoch})")
+        self._unpause(N + r)
         self.summary.takeovers += arb.counters.takeovers
+        self.summary.no_lease += arb.counters.no_lease
         self.arbs[r] = None
         self.dirty = True
         self.summary.arbiter_crashes += 1
         self._fault()
         if self.rng.random() < 0.7:
             self._push(self.t + self.rng.uniform(0.2, 2.0), "arestart", (r,))
+
+    def _fair(self, msgs: list[tuple[str, tuple[Any, ...]]]) -> list[tuple[str, tuple[Any, ...]]]:
+        """What waited, as a ZeroMQ ROUTER hands it over: each sender's in order, the senders
+        taken in turn (so a host's ask can come before the other arbiter's beat that waited longer)."""
+        by: dict[int, list[tuple[str, tuple[Any, ...]]]] = {}
+        for e in msgs:
+            by.setdefault(e[1][0], []).append(e)
+        queues = [by[k] for k in sorted(by)]
+        self.rng.shuffle(queues)
+        return [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+
+    def _dead_later(self, host: int, inc: int) -> None:
+        """Invariant 2: a dead host's message that waited at a stopped arbiter arrives only
+        now; what it starts ends within DEAD_BOUND of now."""
+        if (host, inc) not in self.gone and not any(d[1:] == (host, inc) for d in self.dead):
+            return
+        self.gone.discard((host, inc))
+        self.dead = sorted([d for d in self.dead if d[1:] != (host, inc)] + [(self.t + DEAD_BOUND, host, inc)])
+
+    def _unpause(self, ep: int) -> None:
+        """A stopped process that dies: what waited for it is lost with it."""
+        if self.paused.pop(ep, None) is not None:
+            self.deferred.pop(ep, None)
 
     def _restart_arbiter(self, r: int) -> None:
         if self.arbs[r] is not None:
@@ -492,7 +564,7 @@ class Sim:
             left = [done.left(x, now) if x >= 0 else x for x in lease_s or ()]
             epoch = done.answer.epoch if isinstance(done.answer, w.Extended) else -1
             self._renewed(h, list(flows), dict(zip(held, left, strict=False)), now, answered=lease_s is not None,
-                          epoch=epoch)
+                          epoch=epoch, at=self._sent_at(h, done.answer))
         elif tag[0] == "register":
             self._registered(h, tag[1], done, now)
 
@@ -501,7 +573,7 @@ class Sim:
         _, cid, dst, nbytes, parts, renews, probe = tag
         answer = done.answer
         asked = h.asks.pop(cid)
-        limit = self.n_arbs * self.timeout + 1e-9
+        limit = self.n_arbs * self.timeout + 1e-9 + self.paused_s[h.index] - self.ask_paused.pop(cid, 0.0)
         if self.t - asked > limit:
             self.fail(f"host {h.index} ask {cid} took {self.t - asked:.4f} s to finish (more than {limit:.3f}: "
                       f"each of {self.n_arbs} arbiters tried once)")
@@ -549,7 +621,12 @@ class Sim:
             self.fail(f"host {h.index}: granted {part.flow} on path {part.path}, its node put it on {lease.path}")
         if part is not None and lease.reserved:
             h.lease_epoch[lease.flow_id] = epoch
+            h.lease_at[lease.flow_id] = self._sent_at(h, done.answer)
         return lease
+
+    def _sent_at(self, h: Host, answer: Any) -> float:
+        """When the answer left its arbiter (true time)."""
+        return self.answer_sent.get((h.index, answer.rid, answer.epoch), self.t) if answer is not None else self.t
 
     def _drop(self, h: Host, flows: list[FlowId]) -> None:
         step = w.MAX_FLOWS_PER_MESSAGE
@@ -577,7 +654,7 @@ class Sim:
         self._push(self.t + RENEW_EVERY, "renew", (h.index, h.inc, c.cid))
 
     def _renewed(self, h: Host, flows: list[FlowId], lease_s: dict[FlowId, float], now: float,
-                 answered: bool = True, epoch: int = -1) -> None:
+                 answered: bool = True, epoch: int = -1, at: float = -math.inf) -> None:
         node = h.node
         for f in flows:
             try:
@@ -585,7 +662,7 @@ class Sim:
                 before = node.lease_of(r, now).expires
                 lease = renewed_lease(node, f, lease_s.get(r), answered, now)
                 if lease_s.get(r, -1) >= 0:
-                    self._note_epoch(h, r, lease.expires > before, epoch)
+                    self._note_epoch(h, r, lease.expires > before, epoch, at)
                     self.summary.renewed += 1
                 elif r in lease_s and answered:
                     self.summary.unreserved += 1
@@ -594,10 +671,10 @@ class Sim:
         self.dirty = True
 
     @staticmethod
-    def _note_epoch(h: Host, f: FlowId, moved: bool, epoch: int) -> None:
-        """The flow's lease is that answer's when it moved the end."""
+    def _note_epoch(h: Host, f: FlowId, moved: bool, epoch: int, at: float) -> None:
+        """The flow's lease is that answer's (sent at ``at``) when it moved the end."""
         if moved or f not in h.lease_epoch:
-            h.lease_epoch[f] = epoch
+            h.lease_epoch[f], h.lease_at[f] = epoch, at
 
     def _registered(self, h: Host, flows: tuple[FlowId, ...], done: Done, now: float) -> None:
         node, answer = h.node, done.answer
@@ -605,7 +682,7 @@ class Sim:
         reserved = [f for f in before if self._reserved(h, f)]
         kept, lost = apply_registration(node, flows, answer, now, lambda s: done.left(s, now))
         for f in kept:
-            self._note_epoch(h, f, node.lease_of(f, now).expires > before[f], answer.epoch)
+            self._note_epoch(h, f, node.lease_of(f, now).expires > before[f], answer.epoch, self._sent_at(h, answer))
         self.summary.registered_kept += len(kept)
         self.summary.unreserved += sum(1 for f in reserved if f not in kept and not self._reserved(h, f))
         self._drop(h, lost)
@@ -642,6 +719,7 @@ class Sim:
         h = self.hosts[i]
         assert h is not None
         self.log(f"host {i} crashes (incarnation {h.inc}, {len(h.clients)} clients)")
+        self._unpause(i)
         self.hosts[i] = None
         self.summary.host_crashes += 1
         self.dead.append((self.t + DEAD_BOUND, i, h.inc))
@@ -652,7 +730,7 @@ class Sim:
     def ask(self, host: int | None = None, probe: bool = False) -> None:
         i = host if host is not None else self.rng.randrange(N)
         h = self.hosts[i]
-        if h is None:
+        if h is None or i in self.paused:  # a stopped process asks nothing
             return
         dst = self.rng.choice([d for d in range(N) if FABRIC.hosts[d].leaf != FABRIC.hosts[i].leaf])
         nbytes = self.rng.choice(NBYTES)
@@ -661,6 +739,7 @@ class Sim:
         self.cid += 1
         cid = self.cid
         h.asks[cid] = self.local(i)
+        self.ask_paused[cid] = self.paused_s[i]
         tag: Hashable = ("reserve", cid, dst, nbytes, parts, renews, probe)
         self._link_out(h, h.link.ask(tag, dst, nbytes, DPORT, parts, self.local(i)))
         self._after_host(h)
@@ -707,6 +786,45 @@ class Sim:
         self.log(what)
         self._push(self.t + self.rng.uniform(0.05, 1.5), "heal", (cut,))
 
+    def pause(self) -> None:
+        """A process stopped (SIGSTOP, a GC pause, a VM stall): an arbiter (the leader three
+        times in four) or a host. It handles nothing until it resumes; what comes for it
+        waits, and then arrives at once (see _fair), before its timers fire. Its clock runs on."""
+        arbs = [N + r for r in range(self.n_arbs) if self.arbs[r] is not None and N + r not in self.paused]
+        hosts = [i for i in range(N) if self.hosts[i] is not None and i not in self.paused]
+        leading = [ep for ep in arbs if self.arbs[ep - N].leading]  # type: ignore[union-attr]
+        if arbs and (self.rng.random() < 0.6 or not hosts):
+            ep = self.rng.choice(leading if leading and self.rng.random() < 0.75 else arbs)
+        elif hosts:
+            ep = self.rng.choice(hosts)
+        else:
+            return
+        until = self.t + self.rng.uniform(0.05, PAUSE_MAX)
+        self.paused[ep], self.deferred[ep] = self.t, []
+        self.summary.pauses += 1
+        self._fault(until)
+        if ep >= N:
+            self.arb_fault = max(self.arb_fault, until)
+        self.log(f"{'arbiter' if ep >= N else 'host'} {ep - N if ep >= N else ep} stopped until {until:.4f}")
+        self._push(until, "resume", (ep, self.t))
+
+    def _resume(self, ep: int, start: float | None = None) -> None:
+        """``start``: that stop's (a stop ended by a crash leaves its resume behind)."""
+        if ep not in self.paused or start not in (None, self.paused[ep]):
+            return
+        start = self.paused.pop(ep)
+        self.paused_s[ep] += self.t - start
+        waited = self.deferred.pop(ep, [])
+        for kind, data in waited:
+            if kind == "msg" and data[0] < N:
+                self._dead_later(data[0], data[3])
+        for kind, data in self._fair([e for e in waited if e[0] == "msg"]) + [e for e in waited if e[0] != "msg"]:
+            self._push(self.t, kind, data)
+        self._fault()
+        if ep >= N:
+            self.arb_fault = max(self.arb_fault, self.t)
+        self.log(f"{'arbiter' if ep >= N else 'host'} {ep - N if ep >= N else ep} resumes ({len(waited)} waited)")
+
     def step(self) -> None:
         self.steps += 1
         f = self.faults
@@ -721,6 +839,8 @@ class Sim:
             self._crash_host()
         elif r < 0.56 and f.partitions:
             self.partition()
+        elif r < 0.59 and f.pauses:
+            self.pause()
         self.run_until(self.t + self.rng.choice([0.0, 1e-4, 1e-3, 0.02, 0.1]))
 
     # ------------------------------------------------------------------ events
@@ -728,11 +848,17 @@ class Sim:
         while self.heap and self.heap[0][0] <= target:
             at, _, kind, data = heapq.heappop(self.heap)
             self.t = max(self.t, at)
-            if self.blocked or not any(self.arbs):
-                self._fault()  # a partition lasts, or no arbiter runs: the fault goes on
+            if self.blocked or not any(self.arbs) or self._needs_dead():
+                self._fault()  # a partition lasts, no arbiter runs, or a leader's lease needs a dead one
                 if any(a >= N and b >= N for a, b in self.blocked):
-                    self.arb_fault = self.t
-            if kind == "msg":
+                    self.arb_fault = max(self.arb_fault, self.t)
+            ep = data[1] if kind == "msg" else data[0] if kind in ("wake", "renew", "finish") else -1
+            if ep in self.paused:  # a stopped process: what comes for it waits
+                self.deferred[ep].append((kind, data))
+                continue
+            if kind == "resume":
+                self._resume(*data)
+            elif kind == "msg":
                 self._deliver(*data)
             elif kind == "wake":
                 self._on_wake(*data)
@@ -767,6 +893,11 @@ class Sim:
                 for r in range(self.n_arbs):
                     self._after_arbiter(r)
         self.t = max(self.t, target)
+
+    def _needs_dead(self) -> bool:
+        """A leader whose lease takes a crashed arbiter's acknowledgements answers nothing
+        until that one is back (it cannot tell a dead follower from one cut off)."""
+        return any(a is not None and a.leading and any(self.arbs[r] is None for r in a._needs) for a in self.arbs)
 
     def _deliver(self, src: int, dst: int, data: bytes, inc: int) -> None:
         if (src, dst) in self.blocked:
@@ -881,7 +1012,7 @@ class Sim:
         epoch = lead.epoch
         held = lead.table.table()  # links held at the leader (leases end GRACE after their lease)
         users: dict[int, list[tuple[FlowId, bool]]] = {}
-        every: dict[int, list[FlowId]] = {}  # exclusive holders of any epoch (counted, not judged)
+        every: dict[int, list[tuple[FlowId, int, float]]] = {}  # exclusive holders of any epoch: (flow, epoch, sent)
         for h in self.hosts:
             if h is None:
                 continue
@@ -889,7 +1020,7 @@ class Sim:
             for f, dst, _dport, path, _nbytes, shared, _left in h.node.reserved_leases(now):
                 if not shared:
                     for st in STAGES[h.index, dst]:
-                        every.setdefault(st[path], []).append(f)
+                        every.setdefault(st[path], []).append((f, h.lease_epoch.get(f, -1), h.lease_at.get(f, -1.0)))
                 if h.lease_epoch.get(f) != epoch:
                     continue
                 at = held.get(f)
@@ -902,11 +1033,26 @@ class Sim:
         for lk, us in users.items():
             if sum(not s for _f, s in us) > 1:
                 self.fail(f"link {lk} held by {us}, all of epoch {epoch}")
-        for lk, fs in every.items():
-            if len(fs) > 1 and frozenset(fs) not in self.overlaps:
-                self.overlaps.add(frozenset(fs))
-                self.summary.cross_epoch += 1
-                self.log(f"link {lk} held by {fs} (epochs {[f[1] >> 32 for f in fs]}; the leader's is {epoch})")
+        for lk, hs in every.items():
+            if len(hs) > 1:
+                self._across_epochs(lk, hs, epoch)
+
+    def _across_epochs(self, lk: int, hs: list[tuple[FlowId, int, float]], epoch: int) -> None:
+        """Invariant 1 across epochs: two exclusive holders of a link under different epochs.
+        The older one's answer left before the newer epoch's first answer: the window the
+        design allows (its leader granted it within its lease and the new leader's table
+        lacks it; counted). It left after: a leader answered from a stale table."""
+        for f, e, at in hs:
+            for g, e2, _at2 in hs:
+                if e < e2 and at >= self.first_answer.get(e2, math.inf):
+                    self.fail(f"link {lk} held by flow {f} (answered at epoch {e} at {at:.4f}) and flow {g} of "
+                              f"epoch {e2}, which began answering at {self.first_answer[e2]:.4f}: an old leader "
+                              f"answered from a stale table")
+        fs = frozenset(f for f, _e, _at in hs)
+        if fs not in self.overlaps:
+            self.overlaps.add(fs)
+            self.summary.cross_epoch += 1
+            self.log(f"link {lk} held by {sorted(fs)} (epochs {[f[1] >> 32 for f in fs]}; the leader's is {epoch})")
 
     def _judge(self, h: Host, cid: int, asked: float, answered: bool) -> None:
         """Invariant 3: an ask begun long enough after the last fault is answered."""
@@ -932,6 +1078,8 @@ class Sim:
         self.quiet = True
         self.cuts.clear()
         self.blocked = frozenset()
+        for ep in sorted(self.paused):
+            self._resume(ep)
         for r in range(self.n_arbs):
             self._restart_arbiter(r)
         for i in range(N):
@@ -944,7 +1092,7 @@ class Sim:
         for e in self.heap:
             if e[2] == "finish":
                 held.append((e[0] + period, e[1], e[2], e[3]))
-            elif e[2] not in ("arestart", "hrestart", "heal"):
+            elif e[2] not in ("arestart", "hrestart", "heal", "resume"):
                 held.append(e)
         self.heap = held
         heapq.heapify(self.heap)
@@ -1008,6 +1156,7 @@ def drive(sim: Sim, steps: int = 90, quiet_every: int = 45) -> Sim:
     for a in sim.arbs:
         if a is not None:
             sim.summary.takeovers += a.counters.takeovers
+            sim.summary.no_lease += a.counters.no_lease
     return sim
 
 

@@ -216,7 +216,10 @@ def test_a_forged_epoch_neither_stops_nor_ends_the_arbiter(tmp_path: Path) -> No
     cf, names = write_cluster(tmp_path, 4, arbiters=2, control="arbiter", takeover_s=0.5, lease_min_s=4.0)
     cl = load_cluster(cf)
     procs = AgentProcs(cf, [], tmp_path)
-    procs.start("arb0")  # arb1 is never started: its key is the attacker's
+    # Both run (a leader answers only while its standby acknowledges its beats); the forger
+    # holds arb1's key beside the real arb1.
+    procs.start("arb0")
+    procs.start("arb1")
     host = _Host(cf, names[0])
     pub, sec = read_secret_key(str(tmp_path / "keys" / "arb1.key_secret"))
     ctx = zmq.Context()

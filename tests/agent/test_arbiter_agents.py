@@ -15,14 +15,16 @@ from tests.agent.test_arbiter_process import _until
 
 
 def test_agents_take_the_arbiters_decisions_and_survive_a_killed_primary(tmp_path: Path) -> None:
-    cf, names = write_cluster(tmp_path, 4, arbiters=2, takeover_s=0.5, lease_min_s=20.0, control="arbiter")
+    # takeover_s 2: the reserve right after the kill falls inside the window with no leader
+    # however slow a loaded machine is (at 0.5 s the standby sometimes led by then).
+    cf, names = write_cluster(tmp_path, 4, arbiters=2, takeover_s=2.0, lease_min_s=20.0, control="arbiter")
     procs = AgentProcs(cf, names, tmp_path)
     for n in ("arb0", "arb1", *names):
         procs.start(n)
     try:
         procs.wait_ready(names)
         a, b, c = (ArkClient(procs.api(n), timeout_s=5.0) for n in names[:3])  # names alternate leaves
-        first = _until(lambda: (le := a.reserve(names[1], 10**9)).reserved and le, 10.0)  # arb0 leads after 0.5 s
+        first = _until(lambda: (le := a.reserve(names[1], 10**9)).reserved and le, 15.0)  # arb0 leads after 2 s
         assert first and first.reserved
         second = c.reserve(names[1], 10**9)  # another sender on the same leaf: another spine
         assert second.reserved and second.path != first.path
@@ -37,9 +39,9 @@ def test_agents_take_the_arbiters_decisions_and_survive_a_killed_primary(tmp_pat
         t_kill = time.monotonic()
         fallback = a.reserve(names[3], 10**9)  # waits for a timeout at each arbiter, then plain ECMP
         assert not fallback.reserved and fallback.fallback == NO_ARBITER
-        back = _until(lambda: (le := c.reserve(names[3], 10**9)).reserved and le, 10.0)
+        back = _until(lambda: (le := c.reserve(names[3], 10**9)).reserved and le, 15.0)
         window = time.monotonic() - t_kill
-        assert back and back.reserved and window < 5.0, (window, c.reserve(names[3], 10**9), c.status()["arbiter"])
+        assert back and back.reserved and window < 8.0, (window, c.reserve(names[3], 10**9), c.status()["arbiter"])
         assert _until(lambda: a.status()["arbiter"]["counters"]["registered"] >= 1, 5.0)  # found by its probes
         status = a.status()["arbiter"]
         assert status["leader"] == 1 and status["up"]

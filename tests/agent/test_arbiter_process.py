@@ -98,7 +98,7 @@ def test_a_restarted_standby_follows_the_live_leader_and_keeps_the_epoch_it_hear
     a restart it must still follow the live leader, not lead on an empty table."""
     # The default takeover_s: the restarted standby's first beat from the leader comes over a
     # fresh CURVE connection, which a loaded machine can delay past a short takeover_s.
-    cf, names = write_cluster(tmp_path, 4, arbiters=2, takeover_s=1.0, lease_min_s=4.0)
+    cf, names = write_cluster(tmp_path, 4, arbiters=2, takeover_s=1.0, lease_min_s=20.0)
     procs = AgentProcs(cf, [], tmp_path)
     procs.start("arb0")
     procs.start("arb1")
@@ -116,7 +116,8 @@ def test_a_restarted_standby_follows_the_live_leader_and_keeps_the_epoch_it_hear
         procs.kill("arb1")
         procs.start("arb1")
         time.sleep(3.0)  # takeover_s plus two beats: it would have led by now
-        pong = host.call(0, w.Ping(2, grant.epoch))
+        # The leader answers again once the restarted standby acknowledges its beats (its lease needs them).
+        pong = _until(lambda: r if isinstance(r := host.call(0, w.Ping(2, grant.epoch), 0.5), w.Pong) else None, 5.0)
         assert isinstance(pong, w.Pong) and pong.epoch == grant.epoch, pong  # the leader still leads its epoch
         refused = host.call(1, w.Ask(3, grant.epoch, dst, 10**9, 4791))
         assert isinstance(refused, w.Refused) and refused.leader == 0

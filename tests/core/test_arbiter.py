@@ -118,11 +118,13 @@ def test_hostile_bytes_and_claims_are_counted_and_change_nothing() -> None:
 
 
 class _Pair:
-    """Two arbiters wired back to back; ``up`` False cuts the link between them."""
+    """Two arbiters wired back to back; ``up`` False stops one (it neither ticks nor hears),
+    ``cut`` cuts the link between them."""
 
     def __init__(self, policy: str = "ark") -> None:
         self.a = [Arbiter(PAPER, rank=r, arbiters=2, policy=policy, lease=LEASE) for r in range(2)]
         self.up = [True, True]
+        self.cut = False
         self.now = 0.0
         for x in self.a:
             self.deliver(x, x.start(0.0))
@@ -131,7 +133,7 @@ class _Pair:
         to_hosts = []
         for o in outs:
             if o.arbiter >= 0:
-                if self.up[src.rank] and self.up[o.arbiter]:
+                if self.up[src.rank] and self.up[o.arbiter] and not self.cut:
                     self.deliver(self.a[o.arbiter], self.a[o.arbiter].on_arbiter(src.rank, o.data, self.now))
             else:
                 to_hosts.append(o)
@@ -184,6 +186,84 @@ def test_the_standby_takes_over_a_silent_leader_with_a_higher_epoch_and_its_tabl
     p.run(3.5)
     assert not p.a[0].leading and p.a[1].leading and p.a[0].synced
     assert p.a[0].table.table() == p.a[1].table.table()
+
+
+def _answer(x: Arbiter, host: int, rid: int, now: float, epoch: int = 0) -> w.ToHost:
+    return w.decode_to_host(x.on_host(host, w.encode(w.Ask(rid, epoch, 8, 10**8, 4791)), now)[0].data)
+
+
+def test_a_leader_cut_from_its_follower_stops_answering_before_the_follower_leads() -> None:
+    """The leader lease: answers end ``lease_s`` after the last beat the follower
+    acknowledged was sent; the follower leads ``takeover_s`` after it heard that beat."""
+    p = _Pair()
+    p.run(1.5)
+    lead, follow = p.a
+    assert isinstance(p.ask(0, 0, 1), w.Grant)
+    p.cut = True
+    cut_at, last_answer, took_over, rid = p.now, -1.0, -1.0, 10
+    while took_over < 0:
+        p.run(round(p.now + 0.05, 6))
+        rid += 1
+        if isinstance(_answer(lead, 1, rid, p.now), w.Grant):
+            last_answer = p.now
+        if follow.leading:
+            took_over = p.now
+    assert lead.leading and lead.counters.no_lease > 0  # it still believes it leads, and says no
+    assert cut_at < last_answer < took_over and last_answer <= cut_at + lead.lease_s
+    refused = _answer(lead, 1, rid + 1, p.now)
+    assert isinstance(refused, w.Refused) and refused.why == "no lease" and refused.leader == -1
+    assert isinstance(_answer(follow, 1, rid + 2, p.now, follow.epoch), w.Grant)  # its lease needs no dead leader's
+    p.cut = False
+    p.run(p.now + 0.5)
+    assert not lead.leading and follow.leading and lead.synced
+
+
+def test_a_stopped_leader_that_resumes_answers_nothing_until_its_follower_acknowledges_it() -> None:
+    p = _Pair()
+    p.run(1.5)
+    lead, follow = p.a
+    p.up[0] = False  # SIGSTOP for three takeover periods: the standby leads meanwhile
+    p.run(4.5)
+    assert follow.leading and follow.epoch > lead.epoch
+    assert isinstance(_answer(follow, 2, 1, p.now, follow.epoch), w.Grant)
+    p.up[0] = True  # it resumes still leading its old epoch, and a host that heard nothing new asks it
+    refused = _answer(lead, 1, 2, p.now)
+    assert isinstance(refused, w.Refused) and refused.why == "no lease"
+    assert lead.counters.paused == 1 and lead.counters.no_lease == 1 and lead.counters.granted == 0
+    p.run(5.0)
+    assert not lead.leading and follow.leading and lead.synced
+
+
+def test_a_stopped_follower_stops_the_leaders_answers_until_it_is_back() -> None:
+    """With two arbiters the follower is the leader's witness: a leader cannot tell a dead
+    follower from one cut off (which leads), so it answers nothing meanwhile."""
+    p = _Pair()
+    p.run(1.5)
+    lead = p.a[0]
+    p.up[1] = False
+    p.run(2.5)
+    assert isinstance(_answer(lead, 1, 1, p.now), w.Refused)
+    p.up[1] = True
+    p.run(2.8)  # the leader's next beat, acknowledged
+    assert p.a[0].leading and isinstance(_answer(lead, 1, 2, p.now), w.Grant)
+
+
+def test_an_arbiter_that_never_heard_its_peer_answers_nothing_after_leading() -> None:
+    """A restarted (or lone-started) arbiter of two leads after takeover_s of silence, but
+    the other may lead too (cut off, not dead): no answer without its acknowledgement."""
+    a = Arbiter(PAPER, rank=0, arbiters=2, lease=LEASE)
+    a.start(0.0)
+    a.tick(1.1)
+    assert a.leading and isinstance(_answer(a, 1, 1, 1.1), w.Refused)
+    (beat,) = a.tick(1.4)  # a beat at 1.4; rank 1 acknowledges it (and one from the future: ignored)
+    assert w.decode_between(beat.data).sent == 1.4
+    a.on_arbiter(1, w.encode(w.Beat(1, False, False, 1.41, 9.0, a.epoch)), 1.41)
+    assert isinstance(_answer(a, 1, 2, 1.41), w.Refused)
+    a.on_arbiter(1, w.encode(w.Beat(1, False, False, 1.41, 1.4, a.epoch + 2)), 1.41)  # another epoch's
+    assert isinstance(_answer(a, 1, 3, 1.41), w.Refused)
+    a.on_arbiter(1, w.encode(w.Beat(1, False, False, 1.41, 1.4, a.epoch)), 1.41)
+    assert isinstance(_answer(a, 1, 4, 1.42), w.Grant)
+    assert isinstance(_answer(a, 1, 5, 1.4 + a.lease_s + 0.01), w.Refused)  # that acknowledgement has run out
 
 
 def test_registering_old_leases_after_a_takeover_keeps_free_paths_and_refuses_clashes() -> None:
@@ -254,6 +334,10 @@ def test_bad_construction_is_refused_in_one_line() -> None:
         Arbiter(PAPER, rank=2, arbiters=2)
     with pytest.raises(CoreError, match="takeover_s"):
         Arbiter(PAPER, heartbeat_s=1.0, takeover_s=0.5)
+    with pytest.raises(CoreError, match="clock_drift"):
+        Arbiter(PAPER, clock_drift=float("nan"))
+    with pytest.raises(CoreError, match="lease_margin_s"):
+        Arbiter(PAPER, heartbeat_s=0.25, takeover_s=1.0, lease_margin_s=0.8)
     with pytest.raises(CoreError, match="rate_per_host"):
         ArbiterLimits(rate_per_host=float("nan"))
 

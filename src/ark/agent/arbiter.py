@@ -16,7 +16,13 @@ most ``BATCH_S``, per wakeup), each answered as soon as it is decided, then the 
 table changes go to the followers in one message. Within a batch, the changes so far and
 any beat that falls due go out every quarter beat, so that no batch, however long, keeps
 the followers from hearing the leader. An error in a handler or a timer is counted and
-logged once per kind, never fatal. Time is the wall clock.
+logged once per kind, never fatal.
+
+Time is a monotonic clock set to the wall clock when the process starts (``_clock``): the
+leader lease is measured on it (a clock stepped back or forward would stretch or cut a
+lease), and on Linux it is ``CLOCK_BOOTTIME``, which also counts while the machine is
+suspended. Reservation times cross between arbiters as absolute times, so they stay close
+to the wall clock: two arbiters' clocks differ by what their wall clocks did at start.
 """
 
 from __future__ import annotations
@@ -52,6 +58,11 @@ from ark.core.arbiter import Arbiter, ArbiterLimits, ArbiterOut
 from ark.core.arbiter_wire import MAX_ARBITER_MESSAGE_BYTES
 
 log = logging.getLogger("ark.arbiter")
+_MONO = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def _clock() -> float:
+    return time.clock_gettime(_MONO)
 BATCH = 4096  # messages handled per wakeup at most (then timers and followers get their turn)
 BATCH_S = 0.05  # and seconds per wakeup at most
 
@@ -73,7 +84,7 @@ class ArbiterProcess:
             raise AgentError(str(e)) from None
         self.core = Arbiter(c.fabric, rank=self.me.rank, arbiters=len(c.arbiters), policy=c.policy, lease=c.lease(),
                             limits=limits, heartbeat_s=c.takeover_s / 5, takeover_s=c.takeover_s,
-                            retention_s=c.retention_s, seen_epoch=self._seen_epoch)
+                            retention_s=c.retention_s, seen_epoch=self._seen_epoch, clock_drift=c.arbiter_clock_drift)
         self._sender: dict[bytes, tuple[int, int]] = {h.public_key.encode(): (h.index, -1) for h in c.hosts}
         self._sender.update({a.public_key.encode(): (-1, a.rank) for a in c.arbiters})
         self._stop = False
@@ -81,6 +92,11 @@ class ArbiterProcess:
         self._error_kinds: dict[str, int] = {}  # where and what: how often (each logged the first time)
         self.unsent = 0
         self._role = ""
+        self._t0 = time.time() - _clock()
+
+    def now(self) -> float:
+        """Monotonic, set to the wall clock at start (see the module's doc)."""
+        return self._t0 + _clock()
 
     # ------------------------------------------------------------------ sockets
     def _open(self) -> None:
@@ -140,10 +156,10 @@ class ArbiterProcess:
         signal.signal(signal.SIGINT, self.stop)
         log.info(**_ev("arbiter_started", name=self.me.name, rank=self.me.rank, arbiters=len(self.cluster.arbiters),
                        control=self.me.control, policy=self.cluster.policy))
-        self.send(self.core.start(time.time()))
+        self.send(self.core.start(self.now()))
         try:
             while not self._stop:
-                now = time.time()
+                now = self.now()
                 timeout = min(1.0, max(0.0, self.core.next_deadline() - now))
                 events = dict(self.poller.poll(max(0, math.ceil(timeout * 1000))))
                 if self.inbox in events:  # first: a connection that has spoken is its sender's
@@ -151,10 +167,10 @@ class ArbiterProcess:
                 if self.guard.monitor in events:
                     self.guard.drain()
                 self.guard.expire(time.monotonic())
-                self._timers(time.time())
+                self._timers(self.now())
                 self._log_role()
         finally:
-            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(time.time()),
+            log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(self.now()),
                            connections=self.guard.counts(), errors=dict(self._error_kinds)))
             self._close()
 
@@ -171,12 +187,12 @@ class ArbiterProcess:
         beat and at the end; at most ``BATCH`` messages and ``BATCH_S`` seconds."""
         sock, core = self.inbox, self.core
         n = 0
-        start = flushed = time.time()
+        start = flushed = self.now()
         every = min(BATCH_S, core.heartbeat_s / 4)
         while n < BATCH and readable(sock):
             frames = recv_frames(sock)
             n += 1
-            now = time.time()
+            now = self.now()
             if now - flushed >= every:  # the followers hear the leader whatever the batch holds
                 flushed = now
                 self._flush(now)
@@ -199,7 +215,7 @@ class ArbiterProcess:
                     core.counters.invalid += 1
             except Exception as e:  # a message that breaks a handler is dropped, never fatal
                 self._error("message", e)
-        self._flush(time.time())
+        self._flush(self.now())
 
     def _flush(self, now: float) -> None:
         try:

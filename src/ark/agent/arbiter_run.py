@@ -208,12 +208,15 @@ def run_arbiter_cluster(agents: int, flows: int, *, seed: int = 0, workers: int 
         for t in threads:
             t.start()
         load.halfway.wait()
-        procs.kill("arb0")
+        # The primary is whichever leads (at a cold start the first rank started may lose the
+        # race): killing the follower instead would stop the leader too (its lease needs it).
+        primary = procs.status(names[:1])[names[0]]["arbiter"]["leader"]
+        procs.kill(f"arb{primary}")
         t_kill = load.t_kill = time.monotonic()
         for t in threads:
             t.join()
         report.update(_load_figures(load, time.monotonic() - t0, t_kill))
-        report.update(_finish(procs, cluster, held, stop))
+        report.update(_finish(procs, cluster, held, stop, f"arb{1 - primary}"))
         report["double_holders"] = double_holders(cluster.fabric, load.leases)
         return report
 
@@ -231,7 +234,8 @@ def _load_figures(load: _ArbiterLoad, load_s: float, t_kill: float | None) -> di
     return out
 
 
-def _finish(procs: AgentProcs, cluster: Cluster, held: dict[str, Lease], stop: threading.Event) -> dict[str, Any]:
+def _finish(procs: AgentProcs, cluster: Cluster, held: dict[str, Lease], stop: threading.Event,
+            standby: str) -> dict[str, Any]:
     """Release the held leases (registered with the standby after the kill), wait one
     lease period, stop the arbiter: what it and the agents still hold."""
     stop.set()
@@ -247,7 +251,7 @@ def _finish(procs: AgentProcs, cluster: Cluster, held: dict[str, Lease], stop: t
     time.sleep(period + 0.5)  # the longest lease: whatever no release reached has ended by then
     local = sum(s["local_flows"] for s in procs.status(procs.names).values())
     procs.stop_all()
-    exit_rec = _arbiter_exit(procs.workdir / "arb1.log")  # the standby, leading since the kill
+    exit_rec = _arbiter_exit(procs.workdir / f"{standby}.log")  # the standby, leading since the kill
     return {"held_reserved_at_end": kept, "held_lapsed": lapsed, "held_lease_period_s": round(period, 3),
             "leaked_local": local, "leaked_at_arbiter": exit_rec.get("live"),
             "arbiter_counters": exit_rec.get("counters", {})}

@@ -114,6 +114,8 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         arbiter_burst_per_host: Tokens a host may spend at an arbiter back to back.
         arbiter_max_epoch_jump: An arbiter epoch more than this above the highest one heard
             is refused (by arbiters and agents) and counted.
+        arbiter_clock_drift: Arbiters: the bound on how fast or slow their clocks run
+            (0.001: 1,000 ppm); the leader lease is shortened by it.
         control: ``broadcast``: every agent keeps a replica of the table; ``arbiter``: agents
             ask the ``[[arbiters]]`` for every lease.
         arbiter_timeout_s: Arbiter mode: a request unanswered this long goes to the next
@@ -160,6 +162,7 @@ class ClusterSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     arbiter_rate_per_host: Annotated[float, msgspec.Meta(ge=1, le=1e7)] = 2000.0  # tokens/s a host gets (a part, a flow, a ping: one)
     arbiter_burst_per_host: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 256
     arbiter_max_epoch_jump: Annotated[int, msgspec.Meta(ge=1, le=(1 << 30) - 1)] = 1 << 16
+    arbiter_clock_drift: Annotated[float, msgspec.Meta(ge=0, le=0.1)] = 0.001  # the leader lease's rate bound
     # "broadcast": every agent keeps a replica of the table (scope above says of which part).
     # "arbiter": agents keep none; they ask the [[arbiters]] (ark arbiter) for every lease.
     control: Literal["broadcast", "arbiter"] = "broadcast"

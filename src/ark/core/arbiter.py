@@ -36,6 +36,15 @@ across restarts by ``ark arbiter``): it follows any leader of that epoch or abov
 leads only a generation above it. Transitions (``_LEADING``/``_FOLLOWING``) all go through
 :meth:`Arbiter._become`.
 
+The leader lease: a leader answers hosts only while every arbiter it needs has
+acknowledged (echoed, at once) one of its beats sent less than ``lease_s`` ago on its own
+clock; ``lease_s`` is ``takeover_s`` shrunk by the clocks' rate bound (``clock_drift``)
+and a margin (``lease_margin_s``), so it ends before any such follower, counting
+``takeover_s`` of silence on its clock, can lead. It needs every other arbiter but the
+leader it took over from, when that one's lease needed it (that leader answers no more
+without its acknowledgements, which it does not give to an older epoch). A stopped
+process resumes with its lease run out. The argument is in docs/arbiter.md.
+
 Every flow id carries the epoch that granted it (``seq = epoch << 32 | n``). A new leader
 takes renewals only of flows its table holds: those it followed, and those a host
 registers again (:class:`~ark.core.arbiter_wire.Register`), each judged like a new request
@@ -87,6 +96,22 @@ ANSWERS_KEPT = 64  # per host: answers a retried request id gets again
 SEQ_SHIFT = 32
 
 
+def _lease_s(takeover_s: float, heartbeat_s: float, drift: float, margin: float | None) -> float:
+    """The leader lease: ``takeover_s`` measured by a clock up to ``drift`` fast, read on
+    one up to ``drift`` slow, less ``margin`` (default half a beat): the longest a
+    handler may take between reading the clock and its answer leaving."""
+    if not (math.isfinite(drift) and 0 <= drift <= 0.1):
+        raise CoreError(f"clock_drift: must be 0..0.1 (a rate bound); got {drift}")
+    margin = heartbeat_s / 2 if margin is None else margin
+    if not (math.isfinite(margin) and margin >= 0):
+        raise CoreError(f"lease_margin_s: must be a finite number >= 0; got {margin}")
+    lease = takeover_s * (1 - drift) / (1 + drift) - margin
+    if not lease > heartbeat_s:
+        raise CoreError(f"lease_margin_s: leaves a lease of {lease:.3f} s, not above heartbeat_s ({heartbeat_s}); "
+                        f"got {margin} with takeover_s {takeover_s}, clock_drift {drift}")
+    return lease
+
+
 class ArbiterOut(NamedTuple):
     """Bytes for a host (``host`` >= 0) or for another arbiter (``arbiter`` >= 0)."""
 
@@ -129,6 +154,8 @@ class ArbiterCounters:
     unknown: int = 0  # renew or release of a flow not held here
     invalid: int = 0  # undecodable or out-of-range messages
     refused: int = 0  # asked while not leading
+    no_lease: int = 0  # asked while leading without a current lease: refused
+    paused: int = 0  # gaps between two events longer than the lease: this process was stopped
     newer_epoch_seen: int = 0  # requests from hosts that have heard a newer leader
     gaps: int = 0  # changes missed by a follower (it asks for the whole table again)
     retries: int = 0  # repeated request ids answered from the kept answers
@@ -157,7 +184,8 @@ class Arbiter:
     def __init__(
         self, routes: Routes, *, rank: int = 0, arbiters: int = 1, policy: str = "ark", lease: LeaseFn | None = None,
         limits: ArbiterLimits | None = None, heartbeat_s: float = 0.25, takeover_s: float = 1.0,
-        retention_s: float = 5.0, expiry_grace_s: float = 0.25, seen_epoch: int = 0,
+        retention_s: float = 5.0, expiry_grace_s: float = 0.25, seen_epoch: int = 0, clock_drift: float = 1e-3,
+        lease_margin_s: float | None = None,
     ) -> None:
         if not 1 <= arbiters <= 16 or not 0 <= rank < arbiters:
             raise CoreError(f"rank: must be 0..{arbiters - 1} of 1..16 arbiters; got {rank} of {arbiters}")
@@ -165,6 +193,7 @@ class Arbiter:
             raise CoreError(f"takeover_s: must be > heartbeat_s ({heartbeat_s}) > 0; got {takeover_s}")
         if not 0 <= seen_epoch < 1 << 30:
             raise CoreError(f"seen_epoch: must be 0..{(1 << 30) - 1}; got {seen_epoch}")
+        self.lease_s = _lease_s(takeover_s, heartbeat_s, clock_drift, lease_margin_s)
         self.routes, self.rank, self.arbiters, self.policy = routes, rank, arbiters, policy
         self.limits = limits or ArbiterLimits()
         self.heartbeat_s, self.takeover_s = heartbeat_s, takeover_s
@@ -197,6 +226,15 @@ class Arbiter:
         self._sent = 0  # table messages sent to followers in this epoch
         self._applied = 0  # table messages applied from the leader's stream in its epoch
         self._changes: list[Message] = []  # applied here, not yet sent to followers (flush)
+        # The leader lease (see _lease_held): acknowledgements of this leader's beats per
+        # rank (the beat's send time on this clock), the ranks whose acknowledgements it
+        # takes, and what a follower last heard of its leader.
+        self._acked: dict[int, float] = {}
+        self._needs: set[int] = set()
+        self._beat_sent = -INF  # the last leading beat's send time (own clock)
+        self._heard = (-1, -1.0)  # the last leading beat followed: its epoch and send time (its leader's clock)
+        self._needed_by = -1  # that beat's rank, when its leader's lease takes this arbiter's acknowledgements
+        self._last_event = -INF
 
     def _new_table(self) -> ReservationTable:
         lim = CoreLimits(max_flows_per_host=self.limits.max_flows_per_host)
@@ -217,6 +255,7 @@ class Arbiter:
 
     def tick(self, now: float) -> list[ArbiterOut]:
         """Expire leases; beat; take over from a silent leader."""
+        self._note(now)
         for f in self.table.tick(now):
             self._ended(f)
         out: list[ArbiterOut] = []
@@ -224,8 +263,33 @@ class Arbiter:
             self._become(_LEADING, now)
         if now >= self._next_beat:
             self._next_beat = now + self.heartbeat_s
-            out += self._to_arbiters(w.Beat(self.epoch, self.leading, self.synced))
+            out += self._to_arbiters(self._beat(now))
         return out
+
+    def _beat(self, now: float) -> w.Beat:
+        """A leader's beat carries its clock and the ranks its lease needs; a follower's
+        acknowledges the last leading beat it heard."""
+        if self.leading:
+            self._beat_sent = now
+            return w.Beat(self.epoch, True, self.synced, now, needs=sum(1 << r for r in self._needs))
+        epoch, sent = self._heard
+        return w.Beat(self.epoch, False, self.synced, now, sent if epoch >= 0 else -1.0, max(epoch, 0))
+
+    def _note(self, now: float) -> None:
+        """Every event: a gap longer than the lease since the last one means this process
+        was stopped (SIGSTOP, a VM stall), counted. A leader's lease has then run out by
+        itself: its acknowledgements are of beats sent before the stop, so it answers
+        nothing until its followers acknowledge a beat sent after it."""
+        if now - self._last_event > self.lease_s and self._last_event > -INF:
+            self.counters.paused += 1
+        self._last_event = max(self._last_event, now)
+
+    def _lease_held(self, now: float) -> bool:
+        """The leader lease: every rank it needs acknowledged a beat sent less than
+        ``lease_s`` ago on this clock. Such a follower heard that beat after it was sent,
+        and leads only after ``takeover_s`` of silence on its own clock; ``lease_s`` is
+        that, shrunk by the clocks' rate bound and the margin (docs/arbiter.md)."""
+        return all(self._acked.get(r, -INF) + self.lease_s > now for r in self._needs)
 
     def next_deadline(self) -> float:
         t = min(self._next_beat, self.table.next_deadline())
@@ -248,9 +312,15 @@ class Arbiter:
             self._recount(now)
             self.counters.takeovers += self.arbiters > 1
             self._next_beat = now  # tell the others at once
+            # The lease takes every other rank's acknowledgements, but for the leader this
+            # one followed if that leader's lease took its own: that leader answers no
+            # more without them, and this one gives none to an older epoch.
+            self._needs = set(range(self.arbiters)) - {self.rank, self._needed_by}
+            self._acked = {}
         elif role == _FOLLOWING and self.leading:
             self.counters.stepped_down += 1
             self.synced = False
+        self._heard, self._needed_by = (-1, -1.0), -1
         if epoch is not None:
             self.seen_epoch = max(self.seen_epoch, epoch)
         self.role = role
@@ -266,11 +336,13 @@ class Arbiter:
             return False
         self.epoch = self.seen_epoch = epoch
         self._n, self._sent, self._changes = 0, 0, []
+        self._next_beat = -INF  # beat at once: followers acknowledge beats of this epoch
         return True
 
     # ------------------------------------------------------------------ hosts
     def on_host(self, host: int, data: bytes, now: float) -> list[ArbiterOut]:
         """One message from ``host`` (the transport authenticated it)."""
+        self._note(now)
         msg = self._decoded(w.decode_from_host, data, 0 <= host < self.routes.n_hosts)
         if msg is None:
             return []
@@ -283,6 +355,9 @@ class Arbiter:
             self.counters.refused += 1
             leader = self.seen_epoch % self.arbiters if self.seen_epoch != self.epoch else -1
             return [self._reply(host, w.Refused(msg.rid, self.seen_epoch, leader, "not leading"))]
+        if not self._lease_held(now):  # another arbiter may lead by now: answer nothing (kept answers neither)
+            self.counters.no_lease += 1
+            return [self._reply(host, w.Refused(msg.rid, self.seen_epoch, -1, "no lease"))]
         st = self._host(host, now)
         kept = st.answers.get(msg.rid)
         if (kept is not None or isinstance(msg, w.Ping)) and not self._within_rate(st, now):
@@ -520,6 +595,7 @@ class Arbiter:
 
     def on_arbiter(self, rank: int, data: bytes, now: float) -> list[ArbiterOut]:
         """One message from arbiter ``rank`` (the transport authenticated it)."""
+        self._note(now)
         msg = self._decoded(w.decode_between, data, 0 <= rank < self.arbiters and rank != self.rank)
         if msg is None:
             return []
@@ -533,6 +609,8 @@ class Arbiter:
             return self._sync_reply(rank) if self.leading else []
         leader = isinstance(msg, w.Changes | w.SyncPart) or (isinstance(msg, w.Beat) and msg.leading)
         if not leader:
+            if isinstance(msg, w.Beat):
+                self._acknowledged(rank, msg)
             return []
         if msg.epoch < self.seen_epoch or (msg.epoch == self.epoch and self.leading):
             return []  # an old leader (it steps down when it hears our beat)
@@ -540,6 +618,10 @@ class Arbiter:
             self._become(_FOLLOWING, now, msg.epoch)
         self.seen_epoch = msg.epoch
         self._leader_heard = now
+        if msg.epoch != self._heard[0]:
+            self._heard, self._needed_by = (msg.epoch, -1.0), -1  # a new leader: what its lease takes, unknown yet
+        if isinstance(msg, w.Beat):
+            return self._heard_beat(rank, msg, now)
         if isinstance(msg, w.SyncPart):
             self._apply_sync(msg)
             return []
@@ -552,9 +634,23 @@ class Arbiter:
                 self.counters.gaps += 1
                 self.synced = False
             return self._ask_sync(rank, msg.epoch, now)
-        if not self.synced or msg.epoch != self._following:
-            return self._ask_sync(rank, msg.epoch, now)
         return []
+
+    def _heard_beat(self, rank: int, msg: w.Beat, now: float) -> list[ArbiterOut]:
+        """The leader's beat: acknowledged at once (its lease runs from when it was sent)."""
+        self._heard = (msg.epoch, max(self._heard[1], msg.sent))
+        self._needed_by = rank if msg.needs >> self.rank & 1 else -1
+        out = self._to_rank(rank, self._beat(now))
+        if not self.synced or msg.epoch != self._following:
+            out += self._ask_sync(rank, msg.epoch, now)
+        return out
+
+    def _acknowledged(self, rank: int, msg: w.Beat) -> None:
+        """A follower's beat: an acknowledgement of one of this leader's beats renews the
+        lease from when that beat was sent; a rank that acknowledges is needed from then on."""
+        if self.leading and msg.echo_epoch == self.epoch and 0 <= msg.echo <= self._beat_sent:
+            self._acked[rank] = max(self._acked.get(rank, -INF), msg.echo)
+            self._needs.add(rank)
 
     def _ask_sync(self, rank: int, epoch: int, now: float) -> list[ArbiterOut]:
         # Asked already: wait for the answer, two beats; the SyncAsk or a SyncPart may be
@@ -619,6 +715,7 @@ class Arbiter:
         st: dict[str, object] = {"rank": self.rank, "epoch": self.epoch, "seen_epoch": self.seen_epoch,
                                  "role": self.role, "synced": self.synced, "flows": len(self.table.table())}
         if now is not None:
+            st["lease"] = self.leading and self._lease_held(now)  # answering hosts now
             st["live"] = sum(1 for f in self.table.entries() if (e := self.table.get(f)) is not None
                              and e.released is None and e.end > now)
         st["counters"] = dict(self.counters.__dict__)

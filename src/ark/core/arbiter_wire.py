@@ -36,6 +36,7 @@ _Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 30) - 1)]
 _Parts = Annotated[int, msgspec.Meta(ge=1, le=16)]
 _Seconds = Annotated[float, msgspec.Meta(ge=0, le=86400.0)]
 _Why = Annotated[str, msgspec.Meta(max_length=80)]
+_Clock = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]  # an arbiter's own clock, seconds
 # A flow the arbiter named: (owner host, seq). The owner is always the asking host; it is
 # carried so that a flow id reads the same on the host, the arbiters and in logs.
 _Flow = tuple[_U32, _U63]
@@ -141,9 +142,18 @@ class Refused(_Msg, frozen=True, tag=15):
 
 
 class Beat(_Msg, frozen=True, tag=21):
+    """Alive, and the leader lease: a leader's beat carries its own clock at sending
+    (``sent``) and ``needs``, the ranks whose acknowledgements its lease takes (a bit
+    each); a follower's beat acknowledges the last leading beat it heard: that beat's
+    ``echo_epoch`` and ``sent`` (``echo``; -1: none)."""
+
     epoch: _Epoch
     leading: bool
     synced: bool  # a follower holding the leader's whole table
+    sent: _Clock = 0.0
+    echo: Annotated[float, msgspec.Meta(ge=-1.0, le=1e12)] = -1.0
+    echo_epoch: _Epoch = 0
+    needs: _U16 = 0
 
 
 class Changes(_Msg, frozen=True, tag=22):
