@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,16 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp", reason="the router needs aiohttp (the pd extra)")
 from aiohttp import web  # noqa: E402
 
-from ark.integrations.pdrouter import Router, RouterError, load_config  # noqa: E402
+from ark.integrations.pdrouter import (  # noqa: E402
+    PATH_CHARS,
+    Refusal,
+    Router,
+    RouterError,
+    check_body,
+    error_response,
+    load_config,
+    non_finite_field,
+)
 
 
 class StandIn:
@@ -413,3 +423,23 @@ def test_under_a_small_descriptor_limit_the_cap_refuses_and_the_log_stays_bounde
     assert answers[-1][0] == 200, answers[-5:]
     assert "Traceback" not in text and "accept failed" not in text and len(text) < 4096, text[:2000]
     assert "connection refused" in text
+
+
+def test_a_long_key_around_a_wide_list_names_its_non_finite_field_in_little_memory() -> None:
+    key = "k" * 20_000
+    raw = ('{"' + key + '": [' + "0," * 20_000 + "NaN]}").encode()
+    tracemalloc.start()
+    with pytest.raises(Refusal) as caught:
+        check_body(raw, 1 << 20)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 4 << 20, f"peak {peak / 1e6:.1f} MB"  # the parsed body itself is about 0.3 MB
+    refusal = caught.value
+    message = str(refusal)
+    assert refusal.status == 400 and message == f"{key[:PATH_CHARS]}: not a finite number (NaN and Infinity are refused)"
+    assert error_response(400, message).body.count(b"\n") == 0
+    # Deep under a cut path, the path stays cut; a short path is named in full.
+    assert non_finite_field({key: [{"a": [float("nan")]}]}) == key[:PATH_CHARS]
+    assert non_finite_field({"a": [1, {"b": [2, float("inf")]}]}) == "a[1].b[1]"
+    assert non_finite_field([1] * 10 + [float("nan")], budget=5) == ""
+    assert non_finite_field({"a": [1, 2]}) is None and non_finite_field(float("nan")) == "body"

@@ -64,6 +64,7 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 log = logging.getLogger("ark.pdrouter")
 FD_HEADROOM = 64  # descriptors kept for the listener, logs, the event loop and the interpreter
 WALK_BUDGET = 200_000  # values visited to name a non-finite number's field; beyond, it goes unnamed
+PATH_CHARS = 200  # a field's path in an error message is cut to this many characters
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -167,18 +168,44 @@ def pair_params(transfer_id: str, prefill: Instance) -> tuple[dict[str, Any], di
 
 def non_finite_field(body: Any, budget: int = WALK_BUDGET) -> str | None:
     """The path (``messages[0].temperature``) of the first non-finite number in document
-    order, "" when there is one beyond ``budget`` values visited, None when there is none."""
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack and budget > 0:
+    order, cut to ``PATH_CHARS``; "" when there is one beyond ``budget`` values visited,
+    None when there is none. The walk holds one (path, iterator) pair per level of
+    nesting and builds one child's path per step, so its memory is the depth times
+    ``PATH_CHARS``, whatever the width of a list or the length of a key."""
+    if isinstance(body, float) and not math.isfinite(body):
+        return "body"
+    if not isinstance(body, (dict, list)):
+        return None
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", _items(body))]
+    while stack:
+        path, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        if budget <= 0:
+            return ""
         budget -= 1
-        path, v = stack.pop()
+        here = _child_path(path, item[0])
+        v = item[1]
         if isinstance(v, float) and not math.isfinite(v):
-            return path[:200] or "body"
-        if isinstance(v, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in reversed(v.items()))
-        elif isinstance(v, list):
-            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
-    return "" if stack else None
+            return here
+        if isinstance(v, (dict, list)):
+            stack.append((here, _items(v)))
+    return None
+
+
+def _items(v: dict[Any, Any] | list[Any]) -> Iterator[tuple[Any, Any]]:
+    return iter(v.items()) if isinstance(v, dict) else enumerate(v)
+
+
+def _child_path(parent: str, key: Any) -> str:
+    """``parent.key`` or ``parent[i]``, at most ``PATH_CHARS`` long (a long key is cut
+    before it is joined, so no step builds more than about twice that)."""
+    if len(parent) >= PATH_CHARS:
+        return parent
+    step = f"[{key}]" if isinstance(key, int) else (f".{str(key)[:PATH_CHARS]}" if parent else str(key)[:PATH_CHARS])
+    return (parent + step)[:PATH_CHARS]
 
 
 def check_body(raw: bytes, limit: int) -> dict[str, Any]:
