@@ -443,3 +443,30 @@ def test_a_long_key_around_a_wide_list_names_its_non_finite_field_in_little_memo
     assert non_finite_field({"a": [1, {"b": [2, float("inf")]}]}) == "a[1].b[1]"
     assert non_finite_field([1] * 10 + [float("nan")], budget=5) == ""
     assert non_finite_field({"a": [1, 2]}) is None and non_finite_field(float("nan")) == "body"
+
+
+def test_bodies_being_read_share_one_byte_budget_and_beyond_it_is_a_503() -> None:
+    pre, dec = [StandIn("p0")], [StandIn("d0")]
+
+    async def test(url: str, router: Router) -> None:
+        assert router.body_budget == 1024  # max_in_flight x max_body_bytes
+        host, port = url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b" " * 900)
+        await writer.drain()
+        await asyncio.sleep(0.3)  # 900 bytes of the budget taken, 124 left
+        assert router._reading == 900
+        small = json.dumps({"prompt": "x" * 150, "max_tokens": 1}).encode()
+        answer = await _raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                            b"Content-Length: %d\r\n\r\n" % len(small) + small, timeout_s=3.0)
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        assert "bytes of request bodies being read" in _one_json_line(answer)["error"]["message"]
+        assert router.counters.body_budget_refused == 1 and router._reading == 900
+        writer.close()  # the trickler goes: its bytes come back to the budget
+        await asyncio.sleep(0.3)
+        assert router._reading == 0
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", data=small) as r:
+            assert r.status == 200
+        assert router._reading == 0 and router.counters.requests == 1
+
+    asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_in_flight=1, max_body_bytes=1024))

@@ -29,6 +29,11 @@ the HTTP parser's own included):
   (or of its previous answer) or it is closed, and the body within ``body_timeout_s`` of
   the headers (beyond: 408). An in-flight slot (``max_in_flight``, beyond: 503) is taken
   only once the body is in, so clients that trickle hold a connection, never a slot;
+* memory: the bodies being read, on all connections together, take from one budget of
+  ``max_in_flight x max_body_bytes`` bytes, chunk by chunk as they arrive, and give it back
+  once their request is parsed or refused; a chunk that finds the budget spent is answered
+  503 (``body_budget_refused``), so many connections that each send most of a body never
+  buffer more than that between them;
 * descriptors: at most ``max_connections`` client connections are open, and fewer when
   the process's descriptor limit (``RLIMIT_NOFILE``, raised to its hard limit at start)
   minus what the upstream connections may take leaves less room; one beyond is answered a
@@ -128,6 +133,7 @@ class RouterCounters:
     connections: int = 0  # open client connections now
     connections_refused: int = 0  # beyond the connection cap: canned 503, closed
     body_timeouts: int = 0  # 408: the body did not arrive within body_timeout_s
+    body_budget_refused: int = 0  # 503: the bodies being read had the whole body budget
     bad_http: int = 0  # requests the HTTP parser refused (400 and the like)
     errors: int = 0  # 500: the router's own failure while serving a request
     accept_errors: int = 0  # accept() out of descriptors or memory (should stay 0 under the cap)
@@ -285,6 +291,8 @@ class Router:
         self._prefill: Iterator[Instance] = itertools.cycle(config.prefill)
         self._decode: Iterator[Instance] = itertools.cycle(config.decode)
         self._slots = asyncio.Semaphore(config.max_in_flight)
+        self.body_budget = config.max_in_flight * config.max_body_bytes  # bytes of bodies being read, all together
+        self._reading = 0  # of which taken now
         self._session: Any = None
         self._runner: Any = None
         self._listener: _Listener | None = None
@@ -394,15 +402,27 @@ class Router:
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 while chunk := await request.content.read(limit + 1 - size):
+                    self._take_body_bytes(len(chunk))
                     chunks.append(chunk)
                     size += len(chunk)
                     if size > limit:
                         raise Refusal(413, f"body: larger than {limit} bytes")
+            return check_body(b"".join(chunks), limit)
         except TimeoutError:
             self.counters.body_timeouts += 1
             self.events.note("body timeout")
             raise Refusal(408, f"body: not received within {self.config.body_timeout_s} s") from None
-        return check_body(b"".join(chunks), limit)
+        finally:
+            self._reading -= sum(map(len, chunks))
+
+    def _take_body_bytes(self, n: int) -> None:
+        """``n`` more bytes of a body being read, from the shared budget; Refusal (503) when
+        it has not that much left."""
+        if self._reading + n > self.body_budget:
+            self.counters.body_budget_refused += 1
+            self.events.note("body budget spent", f"{self.body_budget} bytes of bodies being read")
+            raise Refusal(503, f"router: {self.body_budget} bytes of request bodies being read; retry later")
+        self._reading += n
 
     async def handle(self, request: Any) -> Any:
         try:
