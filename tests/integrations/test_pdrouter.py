@@ -470,3 +470,48 @@ def test_bodies_being_read_share_one_byte_budget_and_beyond_it_is_a_503() -> Non
         assert router._reading == 0 and router.counters.requests == 1
 
     asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_in_flight=1, max_body_bytes=1024))
+
+
+class Flood(StandIn):
+    """A decode stand-in whose streamed answer never ends (64 KiB chunks until the router
+    stops taking them)."""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": f"{self.name}-0"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await out.write(b"data: " + b"x" * 65_536 + b"\n\n")
+        return out
+
+
+def test_a_client_that_stops_reading_its_answer_is_cut_off_and_frees_its_slot() -> None:
+    pre, dec = [StandIn("p0")], [Flood("d0")]
+
+    async def test(url: str, router: Router) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.setblocking(False)
+        _reader, writer = await asyncio.open_connection(sock=sock)
+        req = json.dumps({"prompt": "x", "max_tokens": 10, "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(req) + req)
+        await asyncio.sleep(0.3)  # it holds the one slot and reads nothing
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+                assert r.status == 503
+            t0 = asyncio.get_running_loop().time()
+            while router.counters.write_timeouts == 0 and asyncio.get_running_loop().time() - t0 < 5.0:
+                await asyncio.sleep(0.1)
+            waited = asyncio.get_running_loop().time() - t0
+            assert router.counters.write_timeouts == 1 and waited < 3.0, waited
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+                assert r.status == 200  # the slot is free again
+        writer.close()
+
+    asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_in_flight=1, body_timeout_s=1.0))

@@ -27,7 +27,9 @@ the HTTP parser's own included):
   client naming one could make a decode instance pull another request's KV blocks);
 * time: a connection must send a request's headers within ``header_timeout_s`` of opening
   (or of its previous answer) or it is closed, and the body within ``body_timeout_s`` of
-  the headers (beyond: 408). An in-flight slot (``max_in_flight``, beyond: 503) is taken
+  the headers (beyond: 408), and must take each part of its answer within
+  ``body_timeout_s`` (a client that stops reading is cut off, so it cannot keep its
+  slot). An in-flight slot (``max_in_flight``, beyond: 503) is taken
   only once the body is in, so clients that trickle hold a connection, never a slot;
 * memory: the bodies being read, on all connections together, take from one budget of
   ``max_in_flight x max_body_bytes`` bytes, chunk by chunk as they arrive, and give it back
@@ -134,6 +136,7 @@ class RouterCounters:
     connections_refused: int = 0  # beyond the connection cap: canned 503, closed
     body_timeouts: int = 0  # 408: the body did not arrive within body_timeout_s
     body_budget_refused: int = 0  # 503: the bodies being read had the whole body budget
+    write_timeouts: int = 0  # a client read nothing of its answer for body_timeout_s: aborted
     bad_http: int = 0  # requests the HTTP parser refused (400 and the like)
     errors: int = 0  # 500: the router's own failure while serving a request
     accept_errors: int = 0  # accept() out of descriptors or memory (should stay 0 under the cap)
@@ -470,6 +473,19 @@ class Router:
             self.counters.prefill_failed += 1
             return self._error(502, f"prefill {url}: {type(e).__name__}: {e}")
 
+    async def _write(self, request: Any, out: Any, chunk: bytes) -> None:
+        """One chunk of an answer to the client, within ``body_timeout_s`` (the write waits
+        while the client reads nothing); beyond, the connection is aborted and counted."""
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                await out.write(chunk)
+        except TimeoutError:
+            self.counters.write_timeouts += 1
+            self.events.note("write timeout", f"the client read nothing for {self.config.body_timeout_s} s")
+            if request.transport is not None:
+                request.transport.abort()
+            raise _SlowReader from None
+
     async def _relay(self, request: Any, url: str, body: dict[str, Any], t0: float) -> Any:
         """The decode instance's answer, streamed through as it comes."""
         from aiohttp import web
@@ -487,14 +503,20 @@ class Router:
                     if first and len(self.counters.ttft_s) < 100_000:
                         self.counters.ttft_s.append(time.perf_counter() - t0)
                     first = False
-                    await out.write(chunk)
+                    await self._write(request, out, chunk)
                 await out.write_eof()
                 return out
+        except _SlowReader:
+            return out  # the connection is aborted: the answer ends short, the slot is free
         except Exception as e:
             self.counters.decode_failed += 1
             if out is not None and out.prepared:  # the answer had begun: it ends short
                 return out
             return self._error(502, f"decode {url}: {type(e).__name__}: {e}")
+
+
+class _SlowReader(Exception):
+    """The client took no part of an answer for ``body_timeout_s``."""
 
 
 _REFUSED = _canned(503, "Service Unavailable", "router: too many connections; retry later")
