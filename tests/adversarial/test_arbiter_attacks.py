@@ -55,12 +55,14 @@ def test_a_flooding_greedy_host_is_capped_and_an_honest_agent_still_reserves(tmp
         while len(answers) < n and sock.poll(5000):
             answers.append(w.decode_to_host(sock.recv()))
         flood_s = time.monotonic() - t0
-        parts = [p for a in answers if isinstance(a, w.Grant) for p in a.parts]
-        assert len(answers) == n and len(parts) == 16 * n
+        grants = [a for a in answers if isinstance(a, w.Grant)]
+        limited = sum(1 for a in grants if not a.parts)  # beyond its tokens: no grant, nothing decided
+        parts = [p for a in grants for p in a.parts]
+        assert len(answers) == n and len(parts) == 16 * (n - limited) and limited > 0
         reserved = [p for p in parts if p.reserved]
         assert len(reserved) == 16  # its cap of live reservations, whatever it asks
         why = {p.why.split(":")[0] for p in parts if not p.reserved}
-        assert "rate limited" in why and "cap" in why, why
+        assert why == {"cap"}, why
         assert lease.reserved and latency < 2.0, (lease, latency, flood_s)
 
         # Replays: a request id among its last 64 gets the kept answer and changes nothing.
