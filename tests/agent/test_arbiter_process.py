@@ -152,3 +152,30 @@ def test_a_stranger_gets_no_answer_and_the_arbiter_keeps_serving(tmp_path: Path)
     finally:
         ctx.destroy(0)
         procs.stop_all()
+
+
+def test_an_error_in_the_connection_guard_is_counted_and_never_ends_the_arbiter(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from ark.agent import arbiter_guard
+    from ark.agent.arbiter import ArbiterProcess
+
+    cf, _names = write_cluster(tmp_path, 2, arbiters=1, control="arbiter")
+    calls = [0]
+    real = arbiter_guard.SharedGuard.expire
+
+    def failing(self: arbiter_guard.SharedGuard, now: float) -> None:  # a fault in the guard: every third call
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise RuntimeError("guard fault")
+        real(self, now)
+
+    monkeypatch.setattr(arbiter_guard.SharedGuard, "expire", failing)
+    arb = ArbiterProcess(load_cluster(cf), "arb0")
+    stop = threading.Timer(2.5, arb.stop)
+    stop.start()
+    try:
+        arb.run()  # returns when stopped, not on the guard's error
+    finally:
+        stop.cancel()
+    assert calls[0] >= 3 and arb._error_kinds.get("connections: RuntimeError", 0) >= 1, (calls, arb._error_kinds)
