@@ -153,3 +153,58 @@ def test_a_stranger_gets_no_answer_and_the_arbiter_keeps_serving(tmp_path: Path)
     finally:
         ctx.destroy(0)
         procs.stop_all()
+
+
+def test_an_error_in_the_connection_guard_is_counted_and_never_ends_the_arbiter(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from ark.agent import arbiter_guard
+    from ark.agent.arbiter import ArbiterProcess
+
+    cf, _names = write_cluster(tmp_path, 2, arbiters=1, control="arbiter")
+    calls = [0]
+    real = arbiter_guard.SharedGuard.expire
+
+    def failing(self: arbiter_guard.SharedGuard, now: float) -> None:  # a fault in the guard: every third call
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise RuntimeError("guard fault")
+        real(self, now)
+
+    monkeypatch.setattr(arbiter_guard.SharedGuard, "expire", failing)
+    arb = ArbiterProcess(load_cluster(cf), "arb0")
+    stop = threading.Timer(2.5, arb.stop)
+    stop.start()
+    try:
+        arb.run()  # returns when stopped, not on the guard's error
+    finally:
+        stop.cancel()
+    assert calls[0] >= 3 and arb._error_kinds.get("connections: RuntimeError", 0) >= 1, (calls, arb._error_kinds)
+
+
+def test_a_grant_that_reaches_the_agent_with_more_parts_than_asked_is_cut_to_what_was_asked(tmp_path: Path) -> None:
+    # The link refuses such a grant first (a misfit); this is the agent's own second guard.
+    from ark.agent.daemon import Agent
+    from ark.agent.holders import Holders
+    from ark.core.arbiter_host import Done
+
+    cf, names = write_cluster(tmp_path, 2, arbiters=1, control="arbiter")
+    cl = load_cluster(cf)
+    agent = Agent(cl, names[0])
+    assert agent.arbiter is not None
+    ctx = zmq.Context()
+    api = ctx.socket(zmq.ROUTER)
+    api.bind("inproc://api")
+    try:
+        agent.holders = Holders(api)
+        replies: list[dict] = []
+        agent.reply = lambda _rid, reply: replies.append(reply)  # type: ignore[method-assign]
+        me, dst = cl.host(names[0]).index, cl.host(names[1]).index
+        now = time.time()
+        parts = [w.Part((me, 2 << 32 | k), 0, True, False, 10.0) for k in range(1, 65)]  # 64 for a one-part ask
+        agent.arbiter._granted(("reserve", b"r", 1, dst, 10**9, 4791, None, 1), Done("t", w.Grant(1, 2, parts), now),
+                               now)
+        assert [r["ok"] for r in replies] == [True] and replies[0]["lease"]["reserved"]
+        assert agent.arbiter.bad_grants == 63 and len(agent.node.core.local_flows()) == 1
+    finally:
+        ctx.destroy(0)  # the api socket and the holders' monitor

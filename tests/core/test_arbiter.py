@@ -76,11 +76,11 @@ def test_extend_renews_held_flows_and_answers_minus_one_for_the_others() -> None
     assert _ask(a, 1, 3, now=3.0).parts[0].path == 0
 
 
-def test_a_host_beyond_its_rate_or_its_live_cap_gets_ecmp_with_the_reason() -> None:
+def test_a_host_beyond_its_rate_gets_no_grant_and_beyond_its_live_cap_ecmp_with_the_reason() -> None:
     a = _arbiter(limits=ArbiterLimits(max_flows_per_host=2, rate_per_host=10.0, burst_per_host=3))
-    got = [_ask(a, 0, i, dst=8 + i).parts[0] for i in range(4)]
-    assert [p.reserved for p in got] == [True, True, False, False]
-    assert got[2].why == "cap: 2 live reservations" and got[3].why == "rate limited"
+    got = [_ask(a, 0, i, dst=8 + i).parts for i in range(4)]
+    assert [p.reserved for p in got[0] + got[1] + got[2]] == [True, True, False] and got[3] == []
+    assert got[2][0].why == "cap: 2 live reservations"  # beyond the tokens: no grant at all (the host goes ECMP)
     assert a.counters.rate_limited == 1 and a.counters.capped == 1
     assert _ask(a, 0, 9, dst=12, now=0.2).parts[0].why.startswith("cap")  # tokens back, cap still holds
 
@@ -403,3 +403,31 @@ def test_a_links_backlog_kept_as_holders_come_and_go_equals_folding_them_all_aga
             want = backlog([a.table.get(f).msg for f in a.table.holders(lk)], now)  # type: ignore[union-attr]
             assert a.table.link_backlog(lk, now) == pytest.approx(want, rel=1e-9, abs=1e-3)
     assert a.table._trees and folds  # both ways were taken
+
+
+def test_every_message_costs_a_token_before_any_work_and_beyond_them_no_decision_is_made() -> None:
+    a = _arbiter(limits=ArbiterLimits(rate_per_host=10.0, burst_per_host=4))
+    # A Drop of a flow the host does not hold and a Register whose leases are all unknown cost tokens.
+    assert a.on_host(0, w.encode(w.Drop(1, 0, [(0, 5 << 32 | 1)])), 0.0) != []
+    unknown = [w.Held((0, 99 << 32 | k), 8, 4791, 0, 10**6, False, 1.0) for k in range(3)]  # ids of a later epoch
+    reg = w.decode_to_host(a.on_host(0, w.encode(w.Register(2, 0, unknown)), 0.0)[0].data)
+    assert isinstance(reg, w.Grant) and [p.why for p in reg.parts] == ["unknown"] * 3
+    assert a.on_host(0, w.encode(w.Ping(3, 0)), 0.0) == []  # 1 + 3 tokens spent: unanswered
+    # A rate-limited Ask: a Grant with no parts, no decision made, no flow id drawn.
+    n, flows = a._n, len(a.table.table())
+    assert _ask(a, 0, 4, parts=16).parts == [] and a._n == n and len(a.table.table()) == flows
+    assert a.counters.asks == 0 and a.counters.rate_limited == 2
+
+
+def test_a_drop_handles_only_the_flows_its_host_holds() -> None:
+    a = _arbiter(limits=ArbiterLimits(rate_per_host=10.0, burst_per_host=8))
+    held = _ask(a, 0, 1).parts[0].flow
+    other = _ask(a, 1, 1, dst=12).parts[0].flow
+    looked: list[object] = []
+    get = a.table.get
+    a.table.get = lambda f: looked.append(f) or get(f)  # type: ignore[method-assign]
+    bogus = [(0, 7 << 32 | k) for k in range(w.MAX_FLOWS_PER_MESSAGE - 2)]
+    a.on_host(0, w.encode(w.Drop(2, 0, [*bogus, other, held])), 0.1)  # beyond the tokens too
+    assert looked == [held] and a.table.get(held).released is not None  # type: ignore[union-attr]
+    assert a.table.get(other).released is None  # type: ignore[union-attr]
+    assert a.counters.released == 1 and a.counters.unknown == len(bogus) and a.counters.foreign == 1

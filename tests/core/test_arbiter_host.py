@@ -340,3 +340,22 @@ def test_a_grant_of_more_parts_than_asked_or_a_forged_epoch_is_refused_and_count
     link.on_arbiter(link.leader, w.encode(w.Grant(link._rid, 5, [part])), 0.1)  # the next leader's: taken
     (done,) = link.take_done()
     assert done.tag == "y" and link.epoch == 5
+
+
+def test_a_late_answer_from_an_arbiter_asked_earlier_is_checked_for_fit_too() -> None:
+    """The request moved on to arbiter 1; arbiter 0's late grant for it, with more parts
+    than were asked, is a misfit like any other: dropped, counted, the request still waits
+    on arbiter 1 (not asked again), whose fitting grant is then taken."""
+    link = ArbiterLink(2, timeout_s=0.05)
+    link.on_arbiter(0, w.encode(w.Pong(99, 4)), 0.0)
+    link.ask("x", 8, 10**6, 4791, 1, 0.0)
+    rid = link._rid
+    part = w.Part((0, 4 << 32 | 1), 0, True, False, 10.0)
+    moved = link.on_arbiter(0, w.encode(w.Dropped(rid, 4)), 0.0)  # a misfit: asked of arbiter 1
+    assert [o.rank for o in moved] == [1] and link.counters.misfits == 1
+    late = link.on_arbiter(0, w.encode(w.Grant(rid, 4, [part] * 64)), 0.01)  # arbiter 0, late, 64 parts for 1
+    assert late == [] and link.counters.misfits == 2 and link.take_done() == []
+    assert link.counters.answered == 0 and rid in link._pending
+    link.on_arbiter(1, w.encode(w.Grant(rid, 4, [part])), 0.02)
+    (done,) = link.take_done()
+    assert done.tag == "x" and len(done.answer.parts) == 1  # type: ignore[union-attr]

@@ -292,3 +292,39 @@ def test_the_table_sets_and_thaws_assignments_the_node_decided_on() -> None:
     t.adopt({f: None})  # thawed: recomputed from what the table holds
     assert t.frozen() == {} and t.table()[f] == (0, False)
     assert t.adopt({(5, 5): (1, False)}) == []  # a reservation it does not hold: nothing
+
+
+def test_two_replicas_fed_one_message_set_in_shuffled_orders_hold_each_links_backlog_exactly() -> None:
+    """Plain tables (no backlog tree): a link's backlog, kept as holders arrive in or out of
+    key order and leave, equals folding its holders again, to the bit, on every link."""
+    from ark.core.table import ReservationTable, backlog
+
+    rng = random.Random(11)
+    msgs: list[Reserve | Release] = []
+    for k in range(400):
+        src, dst = rng.randrange(8), 8 + rng.randrange(8)
+        msgs.append(Reserve((src, k + 1), rng.random() * 2.0, src, dst, 4791, rng.randrange(4), 50000 + k,
+                            rng.randrange(1, 10**9), PAPER.path_rate_bps(src, dst, 0) * rng.choice((1.0, 0.5))))
+    msgs += [Release(m.flow, m.ts + rng.random()) for m in rng.sample(msgs, 80) if isinstance(m, Reserve)]
+    tables = []
+    shuffled = list(msgs)
+    random.Random(1).shuffle(shuffled)
+    # One in time order (each link's fold kept as holders arrive), one shuffled (folds dropped and redone).
+    for order in (sorted(msgs, key=lambda m: (m.ts, isinstance(m, Release))), shuffled):
+        t = ReservationTable(PAPER, policy="ark-balance", backlog_index=False)
+        for i, m in enumerate(order):
+            t.receive(m)
+            if i % 3 == 0:  # asked midway too, so that folds are kept, used and added to
+                for lk in list(t._holders):
+                    want = backlog([t.get(f).msg for f in t.holders(lk)], m.ts)  # type: ignore[union-attr]
+                    assert t.link_backlog(lk, m.ts) == want, (i, lk)
+        t.settle()
+        tables.append(t)
+    a, b = tables
+    assert a.table() == b.table()
+    links = set(a._holders) | set(b._holders)
+    assert len(links) == 8 and all(len(a.holders(lk)) > 20 for lk in links)  # every uplink and downlink, shared
+    for now in (2.0, 2.5, 4.0):
+        for lk in sorted(links):
+            want = backlog([a.get(f).msg for f in a.holders(lk)], now)  # type: ignore[union-attr]
+            assert a.link_backlog(lk, now) == want and b.link_backlog(lk, now) == want, lk

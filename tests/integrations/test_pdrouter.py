@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,16 @@ import pytest
 aiohttp = pytest.importorskip("aiohttp", reason="the router needs aiohttp (the pd extra)")
 from aiohttp import web  # noqa: E402
 
-from ark.integrations.pdrouter import Router, RouterError, load_config  # noqa: E402
+from ark.integrations.pdrouter import (  # noqa: E402
+    PATH_CHARS,
+    Refusal,
+    Router,
+    RouterError,
+    check_body,
+    error_response,
+    load_config,
+    non_finite_field,
+)
 
 
 class StandIn:
@@ -460,3 +470,95 @@ def test_accept_out_of_descriptors_is_counted_and_logged_once_then_resumes(caplo
         asyncio.run(_with_router({"prefill": pre, "decode": dec}, test))
     lines = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
     assert len(lines) == 1 and "EMFILE" in lines[0] and not any(r.exc_info for r in caplog.records), lines
+
+
+def test_a_long_key_around_a_wide_list_names_its_non_finite_field_in_little_memory() -> None:
+    key = "k" * 20_000
+    raw = ('{"' + key + '": [' + "0," * 20_000 + "NaN]}").encode()
+    tracemalloc.start()
+    with pytest.raises(Refusal) as caught:
+        check_body(raw, 1 << 20)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 4 << 20, f"peak {peak / 1e6:.1f} MB"  # the parsed body itself is about 0.3 MB
+    refusal = caught.value
+    message = str(refusal)
+    assert refusal.status == 400 and message == f"{key[:PATH_CHARS]}: not a finite number (NaN and Infinity are refused)"
+    assert error_response(400, message).body.count(b"\n") == 0
+    # Deep under a cut path, the path stays cut; a short path is named in full.
+    assert non_finite_field({key: [{"a": [float("nan")]}]}) == key[:PATH_CHARS]
+    assert non_finite_field({"a": [1, {"b": [2, float("inf")]}]}) == "a[1].b[1]"
+    assert non_finite_field([1] * 10 + [float("nan")], budget=5) == ""
+    assert non_finite_field({"a": [1, 2]}) is None and non_finite_field(float("nan")) == "body"
+
+
+def test_bodies_being_read_share_one_byte_budget_and_beyond_it_is_a_503() -> None:
+    pre, dec = [StandIn("p0")], [StandIn("d0")]
+
+    async def test(url: str, router: Router) -> None:
+        assert router.body_budget == 1024  # max_in_flight x max_body_bytes
+        host, port = url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b" " * 900)
+        await writer.drain()
+        await asyncio.sleep(0.3)  # 900 bytes of the budget taken, 124 left
+        assert router._reading == 900
+        small = json.dumps({"prompt": "x" * 150, "max_tokens": 1}).encode()
+        answer = await _raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                            b"Content-Length: %d\r\n\r\n" % len(small) + small, timeout_s=3.0)
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        assert "bytes of request bodies being read" in _one_json_line(answer)["error"]["message"]
+        assert router.counters.body_budget_refused == 1 and router._reading == 900
+        writer.close()  # the trickler goes: its bytes come back to the budget
+        await asyncio.sleep(0.3)
+        assert router._reading == 0
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", data=small) as r:
+            assert r.status == 200
+        assert router._reading == 0 and router.counters.requests == 1
+
+    asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_in_flight=1, max_body_bytes=1024))
+
+
+class Flood(StandIn):
+    """A decode stand-in whose streamed answer never ends (64 KiB chunks until the router
+    stops taking them)."""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": f"{self.name}-0"}]})
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await out.write(b"data: " + b"x" * 65_536 + b"\n\n")
+        return out
+
+
+def test_a_client_that_stops_reading_its_answer_is_cut_off_and_frees_its_slot() -> None:
+    pre, dec = [StandIn("p0")], [Flood("d0")]
+
+    async def test(url: str, router: Router) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        sock.setblocking(False)
+        _reader, writer = await asyncio.open_connection(sock=sock)
+        req = json.dumps({"prompt": "x", "max_tokens": 10, "stream": True}).encode()
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(req) + req)
+        await asyncio.sleep(0.3)  # it holds the one slot and reads nothing
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+                assert r.status == 503
+            t0 = asyncio.get_running_loop().time()
+            while router.counters.write_timeouts == 0 and asyncio.get_running_loop().time() - t0 < 5.0:
+                await asyncio.sleep(0.1)
+            waited = asyncio.get_running_loop().time() - t0
+            assert router.counters.write_timeouts == 1 and waited < 3.0, waited
+            async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}) as r:
+                assert r.status == 200  # the slot is free again
+        writer.close()
+
+    asyncio.run(_with_router({"prefill": pre, "decode": dec}, test, max_in_flight=1, body_timeout_s=1.0))

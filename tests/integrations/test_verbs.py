@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -151,6 +152,33 @@ def test_the_qp_log_is_never_a_fifo_a_device_or_a_symbolic_link(built, tmp_path)
             print(json.dumps(str(e)))
     """)
     assert out == f"log_path: cannot open {fifo} (a regular file, not a link, FIFO or device)"
+
+
+def test_a_terminal_named_as_the_qp_log_never_becomes_the_engines_controlling_terminal(built, tmp_path) -> None:
+    # A session leader with no controlling terminal that opens a terminal without O_NOCTTY
+    # may take it as its own (job-control signals, /dev/tty; Linux does so for a readable
+    # open only, other kernels for any): the log is opened with O_NOCTTY, seen by strace.
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("no strace: the log's open flags cannot be seen")
+    lib, folder = built
+    controller, terminal = os.openpty()
+    trace = tmp_path / "trace"
+    try:
+        name = os.ttyname(terminal)
+        env = {**verbs_standin.env(folder, preload_lib=lib), "ARK_VERBS_RULES": f"{PEER}=49153", "ARK_VERBS_LOG": name}
+        code = "print(open('/proc/self/stat').read().rsplit(')', 1)[1].split()[4])"  # tty_nr
+        res = subprocess.run([strace, "-f", "-e", "trace=open,openat", "-o", str(trace), sys.executable, "-c", code],
+                             capture_output=True, text=True, env=env, timeout=60, check=False, start_new_session=True)
+    finally:
+        os.close(terminal)
+        os.close(controller)
+    if res.returncode != 0 and "ptrace" in res.stderr:
+        pytest.skip(f"strace cannot trace here: {res.stderr.strip()[:200]}")
+    assert res.returncode == 0 and res.stdout.strip() == "0", (res.stdout, res.stderr)
+    assert "not a regular file; QPs are not logged to a file" in res.stderr
+    (opened,) = [line for line in trace.read_text().splitlines() if f'"{name}"' in line]
+    assert all(flag in opened for flag in ("O_NOCTTY", "O_NOFOLLOW", "O_NONBLOCK")), opened
 
 
 def test_dlvsym_of_libibverbs_is_not_intercepted_but_nccl_ibverbs_lib_is(built) -> None:

@@ -164,15 +164,23 @@ class ArbiterProcess:
                 events = dict(self.poller.poll(max(0, math.ceil(timeout * 1000))))
                 if self.inbox in events:  # first: a connection that has spoken is its sender's
                     self._drain()
-                if self.guard.monitor in events:
-                    self.guard.drain()
-                self.guard.expire(time.monotonic())
+                self._connections(self.guard.monitor in events)
                 self._timers(self.now())
                 self._log_role()
         finally:
             log.info(**_ev("arbiter_stopped", name=self.me.name, **self.core.status(self.now()),
                            connections=self.guard.counts(), errors=dict(self._error_kinds)))
             self._close()
+
+    def _connections(self, monitored: bool) -> None:
+        """The guard's connection events and expiries; an error there is counted, never the
+        end of the process."""
+        try:
+            if monitored:
+                self.guard.drain()
+            self.guard.expire(time.monotonic())
+        except Exception as e:
+            self._error("connections", e)
 
     def _timers(self, now: float) -> None:
         """The core's timers when due; an error there is counted, never the end of the process."""

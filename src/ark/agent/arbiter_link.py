@@ -195,7 +195,9 @@ class ArbiterForwarder:
         grant = answer if isinstance(answer, w.Grant) and answer.parts else None
         q, r = divmod(nbytes, parts or 1)
         leases: list[Lease] = []
-        shares = grant.parts if grant is not None else [None] * (parts or 1)
+        shares = grant.parts[:parts or 1] if grant is not None else [None] * (parts or 1)
+        if grant is not None and len(grant.parts) > len(shares):  # never more parts than asked
+            self.bad_grants += len(grant.parts) - len(shares)
         for i, part in enumerate(shares):
             leases.append(self._part_lease(part, dst, q + (i < r), dport, now,
                                            None if part is None else done.left(part.lease_s, now)))

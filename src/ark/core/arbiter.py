@@ -360,13 +360,17 @@ class Arbiter:
             return [self._reply(host, w.Refused(msg.rid, self.seen_epoch, -1, "no lease"))]
         st = self._host(host, now)
         kept = st.answers.get(msg.rid)
-        if (kept is not None or isinstance(msg, w.Ping)) and not self._within_rate(st, now):
+        # Every message costs at least one token, taken before any work: a retry or a ping
+        # one, a fresh message one per part, flow or lease it names.
+        paid = self._within_rate(st, now, 1 if kept is not None else _cost(msg))
+        if (kept is not None or isinstance(msg, w.Ping)) and not paid:
             self.counters.rate_limited += 1  # a retry or a ping beyond the host's tokens: unanswered
             return []
         if kept is not None:
             self.counters.retries += 1
             return [ArbiterOut(host, -1, kept)]
-        reply = self._answer(host, st, msg, now)
+        self.counters.rate_limited += not paid
+        reply = self._answer(host, st, msg, now, paid)
         data_out = w.encode(reply)
         st.answers[msg.rid] = data_out
         if len(st.answers) > ANSWERS_KEPT:
@@ -387,23 +391,34 @@ class Arbiter:
             self._sent += len(chunk)
         return out
 
-    def _answer(self, host: int, st: _Host, msg: w.FromHost, now: float) -> w.ToHost:
-        if isinstance(msg, w.Ask):
-            return w.Grant(msg.rid, self.epoch, self._ask(host, st, msg, now))
-        if isinstance(msg, w.Extend):  # beyond the host's tokens: each lease as it stands, not renewed
-            renew = self._within_rate(st, now, len(msg.flows))
-            self.counters.rate_limited += not renew
-            return w.Extended(msg.rid, self.epoch, [self._extend(host, f, now, renew) for f in msg.flows])
+    def _answer(self, host: int, st: _Host, msg: w.FromHost, now: float, paid: bool) -> w.ToHost:
+        """The answer to a fresh message; ``paid``: the host had its tokens (see :func:`_cost`)."""
+        if isinstance(msg, w.Ask):  # beyond the tokens: no grant, no decision, no flow id (the host goes ECMP)
+            return w.Grant(msg.rid, self.epoch, self._ask(host, st, msg, now) if paid else [])
+        if isinstance(msg, w.Extend):  # beyond the host's tokens: each lease it holds as it stands, not renewed
+            return w.Extended(msg.rid, self.epoch, [self._extend(host, f, now) if paid else
+                                                    self._left(st, f, now) for f in msg.flows])
         if isinstance(msg, w.Drop):
-            # Taken from the host's tokens like any message; released whatever is left of
-            # them: a release only frees, and each of the host's reservations was paid for.
-            self.counters.rate_limited += not self._within_rate(st, now, len(msg.flows))
+            # Released whatever is left of the host's tokens (a release only frees, and each
+            # of its reservations was paid for), but only flows it holds: one set look-up each.
             for f in msg.flows:
-                self._drop(host, f, now)
+                if f in st.live:
+                    self._drop(host, f, now)
+                elif f[0] != host:
+                    self.counters.foreign += 1
+                else:
+                    self.counters.unknown += 1
             return w.Dropped(msg.rid, self.epoch)
         if isinstance(msg, w.Register):
-            return w.Grant(msg.rid, self.epoch, [self._register(host, st, h, now) for h in msg.held])
+            return w.Grant(msg.rid, self.epoch, [self._register(host, st, h, now, paid) for h in msg.held])
         return w.Pong(msg.rid, self.epoch)
+
+    def _left(self, st: _Host, flow: FlowId, now: float) -> float:
+        """What is left of a lease the host holds, -1 for any other flow (no renewal)."""
+        e = self.table.get(flow) if flow in st.live else None
+        if e is None or e.released is not None or e.end <= now or e.path is None:
+            return -1.0
+        return 86400.0 if self._lease is None else min(e.expires - now, 86400.0)
 
     def _ended(self, flow: FlowId) -> None:
         st = self._hosts.get(flow[0])
@@ -433,14 +448,11 @@ class Arbiter:
         if msg.dst >= n_hosts or msg.dst == host:
             self.counters.invalid += 1
             return []
-        why = "" if self._within_rate(st, now, msg.parts) else RATE_LIMITED
-        if why:
-            self.counters.rate_limited += 1
         q, r = divmod(msg.nbytes, msg.parts)
         parts: list[w.Part] = []
         avoid = msg.avoid
         for i in range(msg.parts):
-            part = self._decide(host, st, msg.dst, msg.dport, q + (i < r), now, avoid, why)
+            part = self._decide(host, st, msg.dst, msg.dport, q + (i < r), now, avoid, "")
             parts.append(part)
             if part.reserved:
                 avoid |= 1 << part.path
@@ -531,8 +543,8 @@ class Arbiter:
             return False
         return True
 
-    def _extend(self, host: int, flow: tuple[int, int], now: float, renew: bool = True) -> float:
-        """The lease left of ``flow`` after renewing it (``renew`` False: as it stands)."""
+    def _extend(self, host: int, flow: tuple[int, int], now: float) -> float:
+        """The lease left of ``flow`` after renewing it."""
         if not self._owned(host, flow):
             return -1.0
         e = self.table.get(flow)
@@ -541,8 +553,6 @@ class Arbiter:
             return -1.0
         if self._lease is None:
             return 86400.0
-        if not renew:
-            return min(e.expires - now, 86400.0)
         ts = self._stamp(now)
         expires = ts + self._lease(e.msg.nbytes, e.msg.rate_bps)
         if expires > e.expires:
@@ -565,10 +575,11 @@ class Arbiter:
         self._changes.append(msg)
         self.counters.released += 1
 
-    def _register(self, host: int, st: _Host, held: w.Held, now: float) -> w.Part:
+    def _register(self, host: int, st: _Host, held: w.Held, now: float, paid: bool) -> w.Part:
         """A lease the host holds from an earlier leader: kept if this table holds it,
         else judged as a new request on its old path only (the host's port leads there;
-        its id is kept): taken, shared, or plain ECMP."""
+        its id is kept): taken, shared, or plain ECMP (``paid`` False: beyond the host's
+        tokens, rate limited)."""
         self.counters.registered += 1
         flow = held.flow
         if not self._owned(host, flow) or held.dst >= self.routes.n_hosts or held.dst == host:
@@ -582,7 +593,7 @@ class Arbiter:
             # Ended here, or an id of this epoch or a later one that this table never held: not a real lease.
             self.counters.unknown += 1
             return w.Part(flow, 0, False, False, 0.0, "unknown")
-        why = "" if self._within_rate(st, now) else RATE_LIMITED
+        why = "" if paid else RATE_LIMITED
         return self._decide(host, st, held.dst, held.dport, held.nbytes, now, 0, why, flow=flow, only=held.path)
 
     def _reply(self, host: int, msg: w.ToHost) -> ArbiterOut:
@@ -721,3 +732,16 @@ class Arbiter:
         st["counters"] = dict(self.counters.__dict__)
         return st
 
+
+def _cost(msg: w.FromHost) -> int:
+    """A fresh message's tokens: one per part asked, flow named or lease registered, and
+    never less than one, whatever it turns out to need."""
+    if isinstance(msg, w.Ask):
+        n = msg.parts
+    elif isinstance(msg, w.Extend | w.Drop):
+        n = len(msg.flows)
+    elif isinstance(msg, w.Register):
+        n = len(msg.held)
+    else:
+        n = 1
+    return max(1, n)

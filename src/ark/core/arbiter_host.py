@@ -222,9 +222,9 @@ class ArbiterLink:
         if isinstance(msg, w.Refused):
             return self._on_refused(rank, msg, now)
         p = self._pending.get(msg.rid)
-        if p is not None and p.rank == rank and not _fits(p.msg, msg):
+        if p is not None and not _fits(p.msg, msg):  # from whichever arbiter: a late answer too
             self.counters.misfits += 1
-            return self._next(p, now)
+            return self._next(p, now) if p.rank == rank else []  # another's: the request waits on
         out = self._leads(rank, msg.epoch, now)
         if msg.rid in self._pings:
             self._pings.discard(msg.rid)

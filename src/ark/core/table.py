@@ -1045,10 +1045,10 @@ class ReservationTable:
     def _hold(self, flow: FlowId, links: Sequence[int], entry: Entry | None = None) -> None:
         entry = entry or self._entries[flow]
         entry.held = True
-        holders, fold, trees = self._holders, self._backlog, self._trees
+        holders, folds, trees = self._holders, self._backlog, self._trees
         for lk in links:
-            if fold:
-                _fold_in(fold, lk, entry.msg)
+            if folds:
+                _fold_in(folds, lk, entry.msg)
             if trees:
                 tree = trees.get(lk)
                 if tree is not None and not tree.append(entry.msg):
@@ -1176,24 +1176,21 @@ class ReservationTable:
         holders = self._holders.get(link)
         if not holders:
             return 0.0
-        fold = self._backlog.get(link)
+        cached = self._backlog.get(link)
         trees = self._trees
-        if fold is None and trees is not None:
+        if cached is None and trees is not None:
             tree = trees.get(link)
             if tree is None and link in self._churned:
                 self._churned.discard(link)
                 tree = trees[link] = _LinkBacklog(sorted((self._entries[f].msg for f in holders), key=lambda m: m.key))
             if tree is not None:
                 return tree.backlog(now)
-        if fold is None:
+        if cached is None:
             ordered = sorted((self._entries[f].msg for f in holders), key=lambda m: m.key)
-            left, t_prev = 0.0, ordered[0].ts
-            for m in ordered:
-                left = max(0.0, left - m.rate_bps / 8.0 * (m.ts - t_prev)) + m.nbytes
-                t_prev = m.ts
-            fold = self._backlog[link] = (ordered[-1].key, left, t_prev, ordered[-1].rate_bps)
-        _, left, t_prev, rate = fold
-        return max(0.0, left - rate / 8.0 * (now - t_prev))
+            left, t_prev = _fold(ordered)
+            cached = self._backlog[link] = (ordered[-1].key, left, t_prev, ordered[-1].rate_bps)
+        _, left, t_prev, rate = cached
+        return _drained(left, t_prev, rate, now)
 
 
 # A run of a link's holders, as the fold's step composed over them: bytes left after its
@@ -1225,8 +1222,8 @@ class _LinkBacklog:
         self.cap = 1 << max(4, len(msgs) * 2).bit_length()
         self.node: list[_Run | None] = [None] * (2 * self.cap)
         self.pos: dict[FlowId, int] = {}
-        self.last: Key | None = None
-        self.n = 0
+        self.last_key: Key | None = None  # the latest holder's key: one after it may be appended
+        self.filled = 0  # leaves used (those of holders gone included): the next one's index
         for m in msgs:
             self._put(m)
         for i in range(self.cap - 1, 0, -1):
@@ -1234,11 +1231,11 @@ class _LinkBacklog:
 
     def _put(self, m: Reserve) -> int:
         t, r = m.ts - self.t0, m.rate_bps / 8.0
-        i = self.cap + self.n
+        i = self.cap + self.filled
         self.node[i] = (float(m.nbytes), m.nbytes - r * t, r, t, t, r)
         self.pos[m.flow] = i
-        self.n += 1
-        self.last = m.key
+        self.filled += 1
+        self.last_key = m.key
         return i
 
     def _up(self, i: int) -> None:
@@ -1251,9 +1248,9 @@ class _LinkBacklog:
     def append(self, m: Reserve) -> bool:
         """A new holder; False (the tree no longer holds the link's fold) unless it comes
         after every holder."""
-        if (self.last is not None and m.key <= self.last) or m.flow in self.pos:
+        if (self.last_key is not None and m.key <= self.last_key) or m.flow in self.pos:
             return False
-        if self.n == self.cap:  # full: dropped, built again at the next ask, twice the live ones
+        if self.filled == self.cap:  # full: dropped, built again at the next ask, twice the live ones
             return False
         self._up(self._put(m))
         return True
@@ -1273,18 +1270,38 @@ class _LinkBacklog:
         return max(0.0, left - r_out * (now - self.t0 - t_out))
 
 
-def _fold_in(fold: dict[int, tuple[Key, float, float, float]], link: int, m: Reserve) -> None:
-    """One more holder of ``link`` in its backlog fold (:meth:`ReservationTable.link_backlog`):
-    the same step as :func:`backlog`'s when it comes after every holder folded; else the
-    fold is dropped."""
-    f = fold.get(link)
+def _fold_in(folds: dict[int, tuple[Key, float, float, float]], link: int, m: Reserve) -> None:
+    """One more holder of ``link`` in its kept backlog fold (:meth:`ReservationTable.link_backlog`):
+    :func:`_step` when it comes after every holder folded; else the fold is dropped."""
+    f = folds.get(link)
     if f is None:
         return
     key, left, t_prev, _ = f
     if m.key > key:
-        fold[link] = (m.key, max(0.0, left - m.rate_bps / 8.0 * (m.ts - t_prev)) + m.nbytes, m.ts, m.rate_bps)
+        folds[link] = (m.key, _step(left, t_prev, m), m.ts, m.rate_bps)
     else:
-        del fold[link]
+        del folds[link]
+
+
+def _step(left: float, t_prev: float, m: Reserve) -> float:
+    """The backlog fold's one step: bytes left once ``m`` arrives, ``left`` having been
+    left at ``t_prev`` (drained at ``m``'s rate meanwhile, never below empty)."""
+    return max(0.0, left - m.rate_bps / 8.0 * (m.ts - t_prev)) + m.nbytes
+
+
+def _fold(ordered: Sequence[Reserve]) -> tuple[float, float]:
+    """Bytes left just after the last of ``ordered`` (one link's holders in key order, at
+    least one), and its time."""
+    left, t_prev = 0.0, ordered[0].ts
+    for m in ordered:
+        left = _step(left, t_prev, m)
+        t_prev = m.ts
+    return left, t_prev
+
+
+def _drained(left: float, t_prev: float, rate_bps: float, now: float) -> float:
+    """Bytes left at ``now`` of ``left`` at ``t_prev``, drained at ``rate_bps``."""
+    return max(0.0, left - rate_bps / 8.0 * (now - t_prev))
 
 
 def backlog(msgs: Sequence[Reserve], now: float) -> float:
@@ -1298,12 +1315,8 @@ def backlog(msgs: Sequence[Reserve], now: float) -> float:
     if not msgs:
         return 0.0
     ordered = sorted(msgs, key=lambda m: m.key)
-    left, t_prev = 0.0, ordered[0].ts
-    for m in ordered:
-        rate = m.rate_bps / 8.0
-        left = max(0.0, left - rate * (m.ts - t_prev)) + m.nbytes
-        t_prev = m.ts
-    return max(0.0, left - ordered[-1].rate_bps / 8.0 * (now - t_prev))
+    left, t_prev = _fold(ordered)
+    return _drained(left, t_prev, ordered[-1].rate_bps, now)
 
 
 def least_backlogged(stages: tuple[tuple[int, ...], ...], n: int, backlog_of: Callable[[int], float],

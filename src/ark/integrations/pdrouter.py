@@ -27,8 +27,15 @@ the HTTP parser's own included):
   client naming one could make a decode instance pull another request's KV blocks);
 * time: a connection must send a request's headers within ``header_timeout_s`` of opening
   (or of its previous answer) or it is closed, and the body within ``body_timeout_s`` of
-  the headers (beyond: 408). An in-flight slot (``max_in_flight``, beyond: 503) is taken
+  the headers (beyond: 408), and must take each part of its answer within
+  ``body_timeout_s`` (a client that stops reading is cut off, so it cannot keep its
+  slot). An in-flight slot (``max_in_flight``, beyond: 503) is taken
   only once the body is in, so clients that trickle hold a connection, never a slot;
+* memory: the bodies being read, on all connections together, take from one budget of
+  ``max_in_flight x max_body_bytes`` bytes, chunk by chunk as they arrive, and give it back
+  once their request is parsed or refused; a chunk that finds the budget spent is answered
+  503 (``body_budget_refused``), so many connections that each send most of a body never
+  buffer more than that between them;
 * descriptors: at most ``max_connections`` client connections are open, and fewer when
   the process's descriptor limit (``RLIMIT_NOFILE``, raised to its hard limit at start)
   minus what the upstream connections may take leaves less room; one beyond is answered a
@@ -64,6 +71,7 @@ ROUTES = ("/v1/completions", "/v1/chat/completions")
 log = logging.getLogger("ark.pdrouter")
 FD_HEADROOM = 64  # descriptors kept for the listener, logs, the event loop and the interpreter
 WALK_BUDGET = 200_000  # values visited to name a non-finite number's field; beyond, it goes unnamed
+PATH_CHARS = 200  # a field's path in an error message is cut to this many characters
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
@@ -127,6 +135,8 @@ class RouterCounters:
     connections: int = 0  # open client connections now
     connections_refused: int = 0  # beyond the connection cap: canned 503, closed
     body_timeouts: int = 0  # 408: the body did not arrive within body_timeout_s
+    body_budget_refused: int = 0  # 503: the bodies being read had the whole body budget
+    write_timeouts: int = 0  # a client read nothing of its answer for body_timeout_s: aborted
     bad_http: int = 0  # requests the HTTP parser refused (400 and the like)
     errors: int = 0  # 500: the router's own failure while serving a request
     accept_errors: int = 0  # accept() out of descriptors or memory (should stay 0 under the cap)
@@ -167,18 +177,44 @@ def pair_params(transfer_id: str, prefill: Instance) -> tuple[dict[str, Any], di
 
 def non_finite_field(body: Any, budget: int = WALK_BUDGET) -> str | None:
     """The path (``messages[0].temperature``) of the first non-finite number in document
-    order, "" when there is one beyond ``budget`` values visited, None when there is none."""
-    stack: list[tuple[str, Any]] = [("", body)]
-    while stack and budget > 0:
+    order, cut to ``PATH_CHARS``; "" when there is one beyond ``budget`` values visited,
+    None when there is none. The walk holds one (path, iterator) pair per level of
+    nesting and builds one child's path per step, so its memory is the depth times
+    ``PATH_CHARS``, whatever the width of a list or the length of a key."""
+    if isinstance(body, float) and not math.isfinite(body):
+        return "body"
+    if not isinstance(body, (dict, list)):
+        return None
+    stack: list[tuple[str, Iterator[tuple[Any, Any]]]] = [("", _items(body))]
+    while stack:
+        path, items = stack[-1]
+        item = next(items, None)
+        if item is None:
+            stack.pop()
+            continue
+        if budget <= 0:
+            return ""
         budget -= 1
-        path, v = stack.pop()
+        here = _child_path(path, item[0])
+        v = item[1]
         if isinstance(v, float) and not math.isfinite(v):
-            return path[:200] or "body"
-        if isinstance(v, dict):
-            stack.extend((f"{path}.{k}" if path else str(k), x) for k, x in reversed(v.items()))
-        elif isinstance(v, list):
-            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
-    return "" if stack else None
+            return here
+        if isinstance(v, (dict, list)):
+            stack.append((here, _items(v)))
+    return None
+
+
+def _items(v: dict[Any, Any] | list[Any]) -> Iterator[tuple[Any, Any]]:
+    return iter(v.items()) if isinstance(v, dict) else enumerate(v)
+
+
+def _child_path(parent: str, key: Any) -> str:
+    """``parent.key`` or ``parent[i]``, at most ``PATH_CHARS`` long (a long key is cut
+    before it is joined, so no step builds more than about twice that)."""
+    if len(parent) >= PATH_CHARS:
+        return parent
+    step = f"[{key}]" if isinstance(key, int) else (f".{str(key)[:PATH_CHARS]}" if parent else str(key)[:PATH_CHARS])
+    return (parent + step)[:PATH_CHARS]
 
 
 def check_body(raw: bytes, limit: int) -> dict[str, Any]:
@@ -258,6 +294,8 @@ class Router:
         self._prefill: Iterator[Instance] = itertools.cycle(config.prefill)
         self._decode: Iterator[Instance] = itertools.cycle(config.decode)
         self._slots = asyncio.Semaphore(config.max_in_flight)
+        self.body_budget = config.max_in_flight * config.max_body_bytes  # bytes of bodies being read, all together
+        self._reading = 0  # of which taken now
         self._session: Any = None
         self._runner: Any = None
         self._listener: _Listener | None = None
@@ -367,15 +405,27 @@ class Router:
         try:
             async with asyncio.timeout(self.config.body_timeout_s):
                 while chunk := await request.content.read(limit + 1 - size):
+                    self._take_body_bytes(len(chunk))
                     chunks.append(chunk)
                     size += len(chunk)
                     if size > limit:
                         raise Refusal(413, f"body: larger than {limit} bytes")
+            return check_body(b"".join(chunks), limit)
         except TimeoutError:
             self.counters.body_timeouts += 1
             self.events.note("body timeout")
             raise Refusal(408, f"body: not received within {self.config.body_timeout_s} s") from None
-        return check_body(b"".join(chunks), limit)
+        finally:
+            self._reading -= sum(map(len, chunks))
+
+    def _take_body_bytes(self, n: int) -> None:
+        """``n`` more bytes of a body being read, from the shared budget; Refusal (503) when
+        it has not that much left."""
+        if self._reading + n > self.body_budget:
+            self.counters.body_budget_refused += 1
+            self.events.note("body budget spent", f"{self.body_budget} bytes of bodies being read")
+            raise Refusal(503, f"router: {self.body_budget} bytes of request bodies being read; retry later")
+        self._reading += n
 
     async def handle(self, request: Any) -> Any:
         try:
@@ -423,6 +473,19 @@ class Router:
             self.counters.prefill_failed += 1
             return self._error(502, f"prefill {url}: {type(e).__name__}: {e}")
 
+    async def _write(self, request: Any, out: Any, chunk: bytes) -> None:
+        """One chunk of an answer to the client, within ``body_timeout_s`` (the write waits
+        while the client reads nothing); beyond, the connection is aborted and counted."""
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                await out.write(chunk)
+        except TimeoutError:
+            self.counters.write_timeouts += 1
+            self.events.note("write timeout", f"the client read nothing for {self.config.body_timeout_s} s")
+            if request.transport is not None:
+                request.transport.abort()
+            raise _SlowReader from None
+
     async def _relay(self, request: Any, url: str, body: dict[str, Any], t0: float) -> Any:
         """The decode instance's answer, streamed through as it comes."""
         from aiohttp import web
@@ -440,14 +503,20 @@ class Router:
                     if first and len(self.counters.ttft_s) < 100_000:
                         self.counters.ttft_s.append(time.perf_counter() - t0)
                     first = False
-                    await out.write(chunk)
+                    await self._write(request, out, chunk)
                 await out.write_eof()
                 return out
+        except _SlowReader:
+            return out  # the connection is aborted: the answer ends short, the slot is free
         except Exception as e:
             self.counters.decode_failed += 1
             if out is not None and out.prepared:  # the answer had begun: it ends short
                 return out
             return self._error(502, f"decode {url}: {type(e).__name__}: {e}")
+
+
+class _SlowReader(Exception):
+    """The client took no part of an answer for ``body_timeout_s``."""
 
 
 _REFUSED = _canned(503, "Service Unavailable", "router: too many connections; retry later")

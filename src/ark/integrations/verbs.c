@@ -252,12 +252,14 @@ int ark_verbs_set_lanes(struct ark_vrule *r, const uint16_t *ports, const uint8_
     return added;
 }
 
-/* The QP log: appended to, never followed through a symbolic link, never a FIFO, device or
- * socket that could block or redirect the engine (opened without blocking, then checked
- * with fstat); -1 with errno (ELOOP: a link; EINVAL: not a regular file; ENXIO: a FIFO no
- * one reads). */
+/* The QP log: appended to, its last path component never a symbolic link (O_NOFOLLOW
+ * guards that one only: links in the directories above are followed), never a FIFO,
+ * device or socket that could block or redirect the engine (opened without blocking, then
+ * checked with fstat), and a terminal named there never becomes the engine's controlling
+ * terminal (O_NOCTTY); -1 with errno (ELOOP: a link; EINVAL: not a regular file; ENXIO: a
+ * FIFO no one reads). */
 static int open_log(const char *path) {
-    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY, 0644);
     if (fd < 0) return -1;
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
