@@ -190,6 +190,16 @@ class NodeCounters:
     frozen_conflicts: int = 0  # peers' frozen-assignment claims refused: contradicted or not ours to take
 
 
+def _check_node_args(host: int, peers: Sequence[int], incarnation: int, **periods: float) -> None:
+    if host in peers:
+        raise CoreError(f"peers: must not include this host ({host})")
+    if not 0 <= incarnation < 2**30:
+        raise CoreError(f"incarnation: must be 0..2**30-1; got {incarnation}")
+    for name, v in periods.items():
+        if not (math.isfinite(v) and v > 0):
+            raise CoreError(f"{name}: must be > 0; got {v}")
+
+
 class Node:
     """A host's reservation core with replication, leases and resync (sans-IO)."""
 
@@ -220,13 +230,8 @@ class Node:
         verifier: Verifier | None = None,
         scope_links: frozenset[int] | None = None,
     ) -> None:
-        if host in peers:
-            raise CoreError(f"peers: must not include this host ({host})")
-        if not 0 <= incarnation < 2**30:
-            raise CoreError(f"incarnation: must be 0..2**30-1; got {incarnation}")
-        for name, v in (("heartbeat_s", heartbeat_s), ("peer_timeout_s", peer_timeout_s), ("sync_timeout_s", sync_timeout_s)):
-            if not (math.isfinite(v) and v > 0):
-                raise CoreError(f"{name}: must be > 0; got {v}")
+        _check_node_args(host, peers, incarnation, heartbeat_s=heartbeat_s, peer_timeout_s=peer_timeout_s,
+                         sync_timeout_s=sync_timeout_s)
         self.host = host
         self.incarnation = incarnation
         self.lease = lease or LeasePolicy()

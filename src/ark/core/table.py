@@ -252,6 +252,15 @@ class _Sweep:
         return lambda lk: held.get(lk, 0) - own.get(lk, 0) > 0
 
 
+def _check_table_args(policy: str, retention_s: float, expiry_grace_s: float) -> None:
+    if policy not in POLICIES:
+        raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
+    if retention_s <= 0:
+        raise CoreError(f"retention_s: must be > 0; got {retention_s}")
+    if expiry_grace_s < 0 or expiry_grace_s >= retention_s:
+        raise CoreError(f"expiry_grace_s: must be in [0, retention_s); got {expiry_grace_s}")
+
+
 class ReservationTable:
     """One replica's reservations and the paths they hold (see the module docstring)."""
 
@@ -267,12 +276,7 @@ class ReservationTable:
         bookkeeping_grid: bool = False,
         backlog_index: bool = False,
     ) -> None:
-        if policy not in POLICIES:
-            raise CoreError(f"policy: must be one of {', '.join(POLICIES)}; got {policy!r}")
-        if retention_s <= 0:
-            raise CoreError(f"retention_s: must be > 0; got {retention_s}")
-        if expiry_grace_s < 0 or expiry_grace_s >= retention_s:
-            raise CoreError(f"expiry_grace_s: must be in [0, retention_s); got {expiry_grace_s}")
+        _check_table_args(policy, retention_s, expiry_grace_s)
         self.routes = routes
         self.n_hosts = routes.n_hosts
         self.policy = policy
