@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${1:-.venv}
 [ -x "$venv/bin/pip" ] || python3 -m venv "$venv"
-"$venv/bin/pip" install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
+# The pins are the `nixl` extra's (pyproject.toml), read rather than written again here.
+mapfile -t pins < <(python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['nixl']))")
+"$venv/bin/pip" install -q --no-deps "${pins[@]}"
 "$venv/bin/python" -c "import numpy; from nixl._api import nixl_agent, nixl_agent_config"
 echo "install-nixl: $venv ready (nixl $("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("nixl-cu12"))'))"

@@ -18,25 +18,17 @@ from pathlib import Path
 import pytest
 
 from ark.agent.client import ArkClient, ArkClientError
-from ark.agent.loopback import AgentProcs, write_cluster
 from ark.integrations import preload
 from ark.integrations.connlease import ConnLeases, _parse_ask, handle, serve, socket_table
 from ark.integrations.preload import EnvRule, steer_rules
+from tests.integrations.conftest import two_agents
 
 
 @pytest.fixture()
 def api(tmp_path: Path) -> Iterator[str]:
     """gpu0's local API; gpu1 is behind another leaf."""
-    (tmp_path / "api").mkdir()
-    cfile, names = write_cluster(tmp_path, 2, lease_min_s=2.0, heartbeat_s=0.1)  # leases outlive a loaded machine's pauses
-    procs = AgentProcs(cfile, names, tmp_path)
-    for n in names:
-        procs.start(n)
-    try:
-        procs.wait_ready(names)
-        yield procs.api("gpu0")
-    finally:
-        procs.stop_all()
+    with two_agents(tmp_path, lease_min_s=2.0) as path:  # leases outlive a loaded machine's pauses
+        yield path
 
 
 CHILD = """

@@ -9,24 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from ark.agent.loopback import AgentProcs, write_cluster
 from ark.core.roce import flow_label_for_sport
+from tests.integrations.conftest import two_agents
 from tests.integrations.test_verbs import run
 
 
 @pytest.fixture()
 def api(tmp_path: Path) -> Iterator[str]:
     """gpu0's local API; gpu1 is behind another leaf."""
-    (tmp_path / "api").mkdir()
-    cfile, names = write_cluster(tmp_path, 2, lease_min_s=0.5, heartbeat_s=0.1)
-    procs = AgentProcs(cfile, names, tmp_path)
-    for n in names:
-        procs.start(n)
-    try:
-        procs.wait_ready(names)
-        yield procs.api("gpu0")
-    finally:
-        procs.stop_all()
+    with two_agents(tmp_path, lease_min_s=0.5) as path:
+        yield path
 
 
 def test_a_multi_path_lease_steers_every_thread_s_qps_part_by_part_until_the_block_ends(built, api) -> None:

@@ -27,7 +27,6 @@ import time
 from collections import OrderedDict
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from ark.agent.sockets import STRANGERS, ConnectionGuard, _peer_ip
 
@@ -49,12 +48,8 @@ class SharedGuard(ConnectionGuard):
         self.shed_sender = 0
 
     def drain(self, limit: int = 4096) -> None:
-        for _ in range(limit):
-            if not int(self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            ev = parse_monitor_message(self.monitor.recv_multipart())
-            fd = int(ev["value"])
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
+        for event, fd in self.events(limit):
+            if event == zmq.EVENT_DISCONNECTED:
                 self._forget(fd)
             elif fd not in self._owner:  # a message may have come in (and named it) before its accept
                 self._accepted(fd)

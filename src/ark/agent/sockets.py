@@ -19,7 +19,7 @@ import os
 import resource
 import socket
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import cast
 
@@ -157,13 +157,17 @@ class ConnectionGuard:
         self.open: dict[int, bool] = {}  # fd -> a stranger's
         self.shed = 0
 
-    def drain(self, limit: int = 4096) -> None:
+    def events(self, limit: int = 4096) -> Iterator[tuple[int, int]]:
+        """The monitor's waiting (event, descriptor) pairs, at most ``limit``."""
         for _ in range(limit):
             if not int(self.monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 return
             ev = parse_monitor_message(self.monitor.recv_multipart())
-            fd = int(ev["value"])
-            if ev["event"] == zmq.EVENT_DISCONNECTED:
+            yield int(ev["event"]), int(ev["value"])
+
+    def drain(self, limit: int = 4096) -> None:
+        for event, fd in self.events(limit):
+            if event == zmq.EVENT_DISCONNECTED:
                 self.open.pop(fd, None)
                 continue
             stranger = _peer_ip(fd) not in self.listed_ips
